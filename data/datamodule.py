@@ -1,0 +1,181 @@
+"""The one LightningDataModule for drafter training: text, chat or HF datasets.
+
+Every batch is a dict of (B, T) tensors: ``input_ids``, ``attention_mask`` and
+``loss_mask`` (1 where token t is a training target: every real token for
+text, assistant tokens only for chat).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.verifier import load_tokenizer
+
+from .bundled import VAL_FRACTION, bundled_text_path
+
+log = logging.getLogger(__name__)
+
+
+class DrafterDataModule(L.LightningDataModule):
+    """Tokenized training data for a drafter, split deterministically into train/validation.
+
+    Args:
+        path: a ``.txt`` file, a chat ``.json``/``.jsonl`` file (ShareGPT, ``messages`` or Alpaca), a
+            local HF dataset directory, or a hub dataset id (online only). ``None``: the bundled tinyshakespeare.
+        format: ``auto`` picks from the path: ``.txt`` -> text, ``.json``/``.jsonl`` -> chat, otherwise hf.
+        tokenizer: the verifier whose tokenizer (and chat template) to use; linked to ``model.verifier``.
+        gguf_file: GGUF file inside ``tokenizer``, when the verifier is one; linked to ``model.verifier_gguf_file``.
+        block_size: tokens per text block; maximum length of a chat sample.
+        batch_size: samples per batch.
+        val_fraction: held-out fraction (contiguous tail for text; a seeded random subset for chat/hf).
+        text_field: column holding plain text in an HF dataset.
+        hf_split: split of the HF dataset to read.
+        num_workers: DataLoader workers.
+        seed: seed for shuffling and for the chat/hf split.
+    """
+
+    def __init__(
+        self,
+        path: Optional[str] = None,
+        format: Literal["auto", "text", "chat", "hf"] = "auto",
+        tokenizer: str = "bundled:tinyshakespeare",
+        gguf_file: Optional[str] = None,
+        block_size: int = 256,
+        batch_size: int = 8,
+        val_fraction: float = VAL_FRACTION,
+        text_field: str = "text",
+        hf_split: str = "train",
+        num_workers: int = 0,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if block_size < 2:
+            raise SpectrainError(f"data.block_size must be >= 2, got {block_size}")
+        if batch_size < 1:
+            raise SpectrainError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not 0.0 < val_fraction < 1.0:
+            raise SpectrainError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+        self.path, self.format, self.tokenizer_name, self.gguf_file = path, format, tokenizer, gguf_file
+        self.block_size, self.batch_size, self.val_fraction = block_size, batch_size, val_fraction
+        self.text_field, self.hf_split, self.num_workers, self.seed = text_field, hf_split, num_workers, seed
+        self.train_set = self.val_set = None
+        self.skipped = 0
+        self.tokenizer = None
+
+    # -- what the data is -------------------------------------------------------------------------------------
+    @property
+    def data_name(self) -> str:
+        return "tinyshakespeare (bundled)" if self.path is None else str(self.path)
+
+    def resolved_format(self) -> str:
+        if self.format != "auto":
+            return self.format
+        if self.path is None:
+            return "text"
+        suffix = Path(self.path).suffix.lower()
+        return {".txt": "text", ".json": "chat", ".jsonl": "chat"}.get(suffix, "hf")
+
+    # -- loading ------------------------------------------------------------------------------------------------
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_set is not None:
+            return
+        self.tokenizer = load_tokenizer(self.tokenizer_name, self.gguf_file)
+        fmt = self.resolved_format()
+        if fmt == "text":
+            from .text import text_blocks
+
+            path = bundled_text_path() if self.path is None else self.path
+            self.train_set, self.val_set = text_blocks(path, self.tokenizer, self.block_size, self.val_fraction)
+        elif fmt == "chat":
+            self.train_set, self.val_set = self._chat_rows(self.path)
+        elif fmt == "hf":
+            self.train_set, self.val_set = self._hf_rows()
+        else:
+            raise SpectrainError(f"unknown data.format {self.format!r}; expected auto, text, chat or hf")
+        if len(self.val_set) == 0 or len(self.train_set) == 0:
+            raise SpectrainError(f"{self.data_name}: too little data for a train/validation split "
+                                 f"({len(self.train_set)} train, {len(self.val_set)} validation samples)")
+
+    def _split(self, ds):
+        parts = ds.train_test_split(test_size=self.val_fraction, seed=self.seed, shuffle=True)
+        return parts["train"], parts["test"]
+
+    def _chat_rows(self, path):
+        import datasets
+
+        from .chat import tokenize_chat_file
+
+        rows, self.skipped = tokenize_chat_file(path, self.tokenizer, self.block_size)
+        if self.skipped:
+            log.warning("%s: skipped %d conversation(s) with no assistant turn", path, self.skipped)
+        if len(rows) < 2:
+            raise SpectrainError(f"{path}: {len(rows)} usable conversation(s); need at least 2 for a validation split")
+        return self._split(datasets.Dataset.from_list(rows))
+
+    def _hf_rows(self):
+        import datasets
+
+        from .chat import render_chat, to_messages
+
+        if not self.path:
+            raise SpectrainError("data.format=hf needs data.path (a saved dataset directory, data files or a hub id)")
+        saved = Path(self.path).expanduser()
+        try:
+            if any((saved / marker).is_file() for marker in ("dataset_dict.json", "state.json")):
+                ds = datasets.load_from_disk(self.path)
+                ds = ds[self.hf_split] if isinstance(ds, datasets.DatasetDict) else ds
+            else:
+                ds = datasets.load_dataset(self.path, split=self.hf_split)
+        except (FileNotFoundError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:
+            raise SpectrainError(f"could not load HF dataset {self.path!r}: {e}") from None
+        if self.text_field in ds.column_names:
+            tok, block = self.tokenizer, self.block_size
+
+            def blocks(batch):
+                flat = [t for row in tok(batch[self.text_field], add_special_tokens=False)["input_ids"] for t in row]
+                n = len(flat) // block * block
+                return {"input_ids": [flat[i:i + block] for i in range(0, n, block)]}
+
+            train, val = self._split(ds)
+            return tuple(d.map(blocks, batched=True, remove_columns=d.column_names) for d in (train, val))
+        tok, block = self.tokenizer, self.block_size
+
+        def render(row):
+            messages = to_messages(row)
+            return render_chat(messages, tok, block) if messages else {"input_ids": [], "loss_mask": []}
+
+        ds = ds.map(render, remove_columns=ds.column_names).filter(lambda r: sum(r["loss_mask"]) > 0)
+        if len(ds) == 0:
+            raise SpectrainError(f"HF dataset {self.path!r} has no column {self.text_field!r} and no usable conversations")
+        return self._split(ds)
+
+    # -- batches ------------------------------------------------------------------------------------------------
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Right-pad to the longest row; pads get attention 0 and loss 0."""
+        length = max(len(r["input_ids"]) for r in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else 0
+        input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
+        attention = torch.zeros((len(rows), length), dtype=torch.long)
+        loss_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            input_ids[i, :n] = torch.tensor(r["input_ids"])
+            attention[i, :n] = 1
+            loss_mask[i, :n] = torch.tensor(r["loss_mask"]) if "loss_mask" in r else 1
+        return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=gen, drop_last=True,
+                          collate_fn=self.collate, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,
+                          num_workers=self.num_workers)

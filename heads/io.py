@@ -1,0 +1,108 @@
+"""Atomic, safetensors-only file I/O shared by training, evaluation and export.
+
+Everything spectrain writes goes to a temporary sibling first and is renamed
+into place, so a crash never leaves a half-written file that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .errors import SpectrainError
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it onto ``path`` on success."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file normal permissions
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside ``path``; it replaces ``path`` on success.
+
+    Refuses to replace an existing ``path`` unless ``force``; on failure nothing
+    is left behind.
+    """
+    path = Path(path)
+    if path.exists() and not force:
+        raise SpectrainError(f"{path} already exists; pass --force to overwrite it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON, atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    return Path(path)
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """Read JSON with an error that names the file when it is missing or malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpectrainError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpectrainError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    """Save contiguous CPU copies of ``tensors`` as safetensors, atomically."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+    return Path(path)
+
+
+def load_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Load a safetensors file; refuse anything else (no pickles)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpectrainError(f"weights file not found: {path}")
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise SpectrainError(f"{path} is not a readable safetensors file: {e}") from None

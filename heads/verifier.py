@@ -1,0 +1,153 @@
+"""Load the frozen verifier: the one function every command uses.
+
+The verifier is any Hugging Face causal LM (hub id, local directory, or a GGUF
+file inside either). It is returned frozen and in eval mode; spectrain never
+trains it and never writes it into its own checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import SpectrainError
+
+BUNDLED_PREFIX = "bundled:"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """``"auto"`` means bf16 on CUDA and fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise SpectrainError(f"unknown dtype {dtype!r}; expected auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _looks_like_path(name: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else that does not exist is a missing path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).suffix in {".gguf", ".safetensors", ".bin"}
+
+
+def resolve_verifier(name_or_path: str) -> str:
+    """Map ``bundled:<name>`` to its cached directory (built on first use); check local paths exist."""
+    if name_or_path.startswith(BUNDLED_PREFIX):
+        from spectrain.data.bundled import ensure_bundled_verifier  # lazy: builds only when asked for
+
+        return str(ensure_bundled_verifier(name_or_path[len(BUNDLED_PREFIX):]))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return str(path)
+    if _looks_like_path(name_or_path):
+        raise SpectrainError(f"verifier path not found: {name_or_path}")
+    return name_or_path  # a hub id
+
+
+@dataclass
+class Verifier:
+    """A frozen causal LM and its tokenizer, plus where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def load_tokenizer(name_or_path: str, gguf_file: str | None = None, trust_remote_code: bool = False):
+    """The verifier's tokenizer, with a pad token (EOS when it has none)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_verifier(name_or_path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise SpectrainError(f"could not load the tokenizer of verifier {name_or_path!r}: {e}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_verifier(
+    name_or_path: str,
+    gguf_file: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> Verifier:
+    """Load a causal LM frozen (eval mode, ``requires_grad_(False)``) with its tokenizer.
+
+    Raises:
+        SpectrainError: the path is missing, the model is not a causal LM, or the
+            tokenizer has more tokens than the model's vocabulary.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_verifier(name_or_path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if gguf_file and not (Path(path) / gguf_file).is_file() and Path(path).is_dir():
+        raise SpectrainError(f"GGUF file {gguf_file!r} not found in {path}")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        msg = str(e)
+        if "trust_remote_code" in msg:
+            raise SpectrainError(f"verifier {name_or_path!r} needs custom code; pass trust_remote_code=True "
+                                 "only if you trust it") from None
+        raise SpectrainError(f"could not load verifier {name_or_path!r}: {msg.splitlines()[0] if msg else e!r}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise SpectrainError(f"verifier {name_or_path!r} is an encoder-decoder ({config.model_type}), not a causal LM")
+    torch_dtype = resolve_dtype(dtype, device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kwargs)
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise SpectrainError(f"verifier {name_or_path!r} ({config.model_type}) is not a causal LM") from None
+        raise SpectrainError(f"could not load verifier {name_or_path!r}: {e}") from None
+    except OSError as e:
+        raise SpectrainError(f"could not load verifier {name_or_path!r}: {e}") from None
+    if getattr(model, "hf_quantizer", None) is not None and gguf_file:
+        # GGUF weights are dequantized on load; forget the quantizer so the model behaves like a plain one.
+        model.hf_quantizer.remove_quantization_config(model)
+    tokenizer = load_tokenizer(name_or_path, gguf_file, trust_remote_code)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        raise SpectrainError(f"tokenizer of {name_or_path!r} has {len(tokenizer)} tokens but the model's vocabulary "
+                             f"has {vocab}: tokenizer and model do not belong together")
+    model.to(device).eval().requires_grad_(False)
+    return Verifier(model=model, tokenizer=tokenizer, name=name_or_path)
+
+
+def verifier_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Run the verifier without materialising its full logits.
+
+    Args:
+        input_ids: (B, T) token ids.
+        layer_ids: indices into HF ``hidden_states`` (0 = embeddings) to return as well.
+    Returns:
+        last hidden state after the final norm, (B, T, H), and the requested layers, each (B, T, H).
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                logits_to_keep=1, use_cache=False)
+    hs = out.hidden_states
+    return hs[-1], [hs[i] for i in layer_ids]
+
+
+def max_context(config) -> int:
+    """The longest sequence the verifier supports (``max_position_embeddings`` or equivalent)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1 << 30

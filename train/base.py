@@ -1,0 +1,180 @@
+"""The one LightningModule every drafter trains with.
+
+It owns the frozen verifier (outside the optimizer, never checkpointed) and the
+shared machinery: optimizer and schedule, validation counters reduced across
+ranks, checkpoint filtering. A drafter subclass provides four things:
+``build_drafter``, ``drafter_loss``, ``validation_counts`` and ``val_metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Optional
+
+import lightning as L
+import torch
+
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.schedule import cosine_with_warmup
+from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype, verifier_features
+
+from .losses import projected_topk
+
+VERIFIER_PREFIX = "verifier."
+# The frozen verifier stays in eval mode on purpose; Lightning would warn about it on every fit.
+warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+
+
+class DrafterModule(L.LightningModule):
+    """Base for drafters trained on a frozen verifier.
+
+    Args:
+        verifier: HF hub id, local model directory, or ``bundled:tinyshakespeare``.
+        verifier_gguf_file: GGUF file name inside ``verifier`` (the weights are dequantized on load).
+        verifier_dtype: ``auto`` (bf16 on CUDA, fp32 on CPU), ``float32`` or ``bfloat16``.
+        trust_remote_code: allow the verifier's own modelling code; off unless you trust it.
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warmup steps before the cosine decay.
+        min_lr_ratio: the cosine decays to ``lr * min_lr_ratio``.
+        loss_chunk_size: rows per chunk of the vocabulary projection in the loss (bounds peak memory);
+            null projects all rows at once and keeps their logits for backward (the reference path).
+    """
+
+    def __init__(
+        self,
+        verifier: str = "bundled:tinyshakespeare",
+        verifier_gguf_file: Optional[str] = None,
+        verifier_dtype: str = "auto",
+        trust_remote_code: bool = False,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+        loss_chunk_size: Optional[int] = 1024,
+    ):
+        super().__init__()
+        if lr <= 0:
+            raise SpectrainError(f"model.lr must be > 0, got {lr}")
+        if loss_chunk_size is not None and loss_chunk_size < 1:
+            raise SpectrainError(f"model.loss_chunk_size must be >= 1 (or null for no chunking), got {loss_chunk_size}")
+        self.verifier_name = verifier
+        self.verifier_dtype = verifier_dtype
+        self.lr, self.weight_decay, self.warmup_steps, self.min_lr_ratio = lr, weight_decay, warmup_steps, min_lr_ratio
+        self.loss_chunk_size = loss_chunk_size
+        loaded = load_verifier(verifier, gguf_file=verifier_gguf_file, dtype="float32",
+                               trust_remote_code=trust_remote_code)
+        self.verifier = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.drafter = self.build_drafter()
+        # The checkpoint holds only the drafter, so loading it must not demand verifier keys.
+        self.strict_loading = False
+        self._val_sums: dict[str, torch.Tensor] = {}
+        self.last_val_metrics: dict[str, float] = {}
+        self._fit_started = None
+        self.trained_tokens = 0
+
+    # -- subclass interface ---------------------------------------------------------------------------------
+    def build_drafter(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def drafter_loss(self, batch: dict, features) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Scalar loss and per-part values to log, for one batch."""
+        raise NotImplementedError
+
+    def validation_counts(self, batch: dict, features) -> dict[str, torch.Tensor]:
+        """Counts to be summed over the whole validation set (and across ranks)."""
+        raise NotImplementedError
+
+    def val_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Turn the summed counts into metrics."""
+        raise NotImplementedError
+
+    def feature_layer_ids(self) -> tuple[int, ...]:
+        """HF ``hidden_states`` indices the drafter needs besides the last hidden state."""
+        return ()
+
+    # -- verifier ---------------------------------------------------------------------------------------------
+    @property
+    def verifier_lm_head(self) -> torch.nn.Module:
+        return self.verifier.get_output_embeddings()
+
+    @property
+    def topk_chunk_size(self) -> int:
+        return self.loss_chunk_size or 4096
+
+    @property
+    def verifier_context(self) -> int:
+        return max_context(self.verifier.config)
+
+    @torch.no_grad()
+    def features(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Verifier features of a batch: last hidden (B, T, H), extra layers, greedy next tokens (B, T)."""
+        self.verifier.eval()
+        last, layers = verifier_features(self.verifier, batch["input_ids"], batch.get("attention_mask"),
+                                         self.feature_layer_ids())
+        head = self.verifier_lm_head
+        greedy = projected_topk(last, head.weight, head.bias, k=1, chunk_size=self.topk_chunk_size)[..., 0]
+        return {"hidden": last, "layers": layers, "greedy": greedy}
+
+    def on_fit_start(self) -> None:
+        dtype = resolve_dtype(self.verifier_dtype, self.device)
+        self.verifier.to(dtype)
+        self._fit_started = time.time()
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, parts = self.drafter_loss(batch, self.features(batch))
+        self.trained_tokens += int(batch["attention_mask"].sum())
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log_dict({f"train/{k}": v for k, v in parts.items()}, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = {}
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        for key, value in self.validation_counts(batch, self.features(batch)).items():
+            value = value.detach().double()
+            self._val_sums[key] = self._val_sums[key] + value if key in self._val_sums else value
+
+    def on_validation_epoch_end(self) -> None:
+        sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val_sums.items()}
+        if not sums:
+            return
+        metrics = self.val_metrics(sums)
+        self.last_val_metrics = metrics
+        self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=False)
+
+    # -- optimizer ------------------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=(0.9, 0.95))
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: cosine_with_warmup(step, self.warmup_steps, total, self.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # -- checkpoints: trainable weights + resume state, never the verifier ----------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(VERIFIER_PREFIX)}
+        checkpoint["spectrain"] = {"verifier": self.verifier_name, "method": self.method_name}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("spectrain", {})
+        if saved.get("method", self.method_name) != self.method_name:
+            raise SpectrainError(f"checkpoint is for {saved.get('method')!r}, not {self.method_name!r}")
+        missing = [k for k in self.drafter.state_dict() if f"drafter.{k}" not in checkpoint["state_dict"]]
+        if missing:
+            raise SpectrainError(f"checkpoint lacks drafter weights {missing[:4]}: it is not a {self.method_name} checkpoint")
+
+    def drafter_state_from_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
+        """The drafter's weights from a Lightning checkpoint of this module (loaded with weights_only)."""
+        state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+        return {k[len("drafter."):]: v for k, v in state.items() if k.startswith("drafter.")}
+
+    method_name = "drafter"

@@ -1,0 +1,219 @@
+"""Training entry points: ``train_medusa`` (and later ``train_eagle``) on LightningCLI.
+
+Every ``__init__`` argument of the drafter module and the data module is a CLI
+flag and a YAML key (``--model.num_heads 3``, ``--data.block_size 128``,
+``--trainer.max_steps 100``); ``--print_config`` prints the resolved config.
+A run writes to ``--run_dir`` (default ``runs/<method>-<verifier>-<data>``):
+``config.yaml`` (resolved config), ``checkpoints/`` (drafter weights + resume
+state, never the verifier), the exported best drafter (``model.safetensors`` +
+``config.json``), logs, and ``summary.json`` last: a directory without it is an
+unfinished run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+from spectrain.data.datamodule import DrafterDataModule
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.report import finish, format_table
+
+from .base import DrafterModule
+
+
+def config_path(name: str) -> str:
+    """Path of a bundled recipe YAML in ``spectrain.configs``."""
+    path = resources.files("spectrain.configs").joinpath(name)
+    if not path.is_file():
+        raise SpectrainError(f"no bundled config named {name!r}")
+    return str(path)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(text.rstrip("/")).name or text).strip("-").lower() or "run"
+
+
+def wandb_offline() -> bool:
+    """Offline unless an API key is configured and the W&B server answers (or WANDB_MODE says otherwise)."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"] in ("offline", "disabled", "dryrun")
+    has_key = bool(os.environ.get("WANDB_API_KEY"))
+    if not has_key:
+        netrc = Path.home() / ".netrc"
+        has_key = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+    if not has_key:
+        return True
+    try:
+        socket.create_connection(("api.wandb.ai", 443), timeout=3).close()
+        return False
+    except OSError:
+        return True
+
+
+class SpectrainCLI(LightningCLI):
+    """LightningCLI that adds the run directory, logger choice and the best-drafter checkpoint."""
+
+    def __init__(self, model_class: type[DrafterModule], default_config: str, args=None):
+        self.method = model_class.method_name
+        super().__init__(
+            model_class, DrafterDataModule, run=False, save_config_callback=None, auto_configure_optimizers=False,
+            seed_everything_default=0, args=args,
+            parser_kwargs={"default_config_files": [config_path(default_config)],
+                           "description": f"Train {self.method} drafters on a frozen verifier."},
+        )
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("model.verifier", "data.tokenizer")
+        parser.link_arguments("model.verifier_gguf_file", "data.gguf_file")
+        parser.add_argument("--run_dir", type=Optional[str], default=None,
+                            help="output directory (default: runs/<method>-<verifier>-<data>)")
+        parser.add_argument("--force", type=bool, default=False, help="overwrite a finished run directory")
+        parser.add_argument("--logger", type=Literal["wandb", "csv", "tensorboard", "none"], default="wandb",
+                            help="wandb (offline when no API key or network), csv, tensorboard or none")
+        parser.add_argument("--wandb_project", type=str, default="spectrain", help="W&B project name")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config
+        if not cfg.run_dir:
+            data = cfg.data.path or "tinyshakespeare"
+            cfg.run_dir = str(Path("runs") / f"{self.method}-{_slug(cfg.model.verifier)}-{_slug(data)}")
+        self.run_dir = Path(cfg.run_dir).expanduser()
+        if (self.run_dir / "summary.json").exists() and not cfg.force:
+            raise SpectrainError(f"{self.run_dir} holds a finished run (summary.json); pass --force to overwrite it "
+                                 "or choose another --run_dir")
+
+    def instantiate_trainer(self, **kwargs):
+        cfg = self.config
+        trainer_cfg = self._get(self.config_init, "trainer", default={})
+        self.checkpoint = ModelCheckpoint(dirpath=self.run_dir / "checkpoints", filename="best", monitor="val/tau_pred",
+                                          mode="max", save_top_k=1, save_last=True, auto_insert_metric_name=False)
+        callbacks = list(trainer_cfg.get("callbacks") or []) + [self.checkpoint]
+        kwargs.update(default_root_dir=str(self.run_dir), callbacks=callbacks, logger=self._logger(cfg))
+        if trainer_cfg.get("precision") is None:
+            on_gpu = torch.cuda.is_available() and trainer_cfg.get("accelerator", "auto") in ("auto", "gpu", "cuda")
+            kwargs["precision"] = "bf16-mixed" if on_gpu else "32-true"
+        return super().instantiate_trainer(**kwargs)
+
+    def _logger(self, cfg):
+        if cfg.logger == "none":
+            return False
+        if cfg.logger == "csv":
+            from lightning.pytorch.loggers import CSVLogger
+
+            return CSVLogger(save_dir=str(self.run_dir), name="logs", version="")
+        if cfg.logger == "tensorboard":
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            return TensorBoardLogger(save_dir=str(self.run_dir), name="logs", version="")
+        from lightning.pytorch.loggers import WandbLogger
+
+        return WandbLogger(project=cfg.wandb_project, name=self.run_dir.name, save_dir=str(self.run_dir),
+                           offline=wandb_offline())
+
+
+def train(model_class: type[DrafterModule], default_config: str, args=None) -> Path:
+    """Parse, train, export the best drafter and write ``summary.json``; returns its path."""
+    t0 = time.time()
+    cli = SpectrainCLI(model_class, default_config, args=args)
+    model, data, trainer, run_dir = cli.model, cli.datamodule, cli.trainer, cli.run_dir
+    data.setup("fit")  # bad data fails here, before the run directory exists
+    if data.block_size > model.verifier_context:
+        raise SpectrainError(f"data.block_size={data.block_size} exceeds the verifier's context of "
+                             f"{model.verifier_context} tokens")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)  # --force: the old run is no longer finished
+    (run_dir / "config.yaml").write_text(cli.parser.dump(cli.config, skip_none=False))
+    fit_start = time.time()
+    trainer.fit(model, datamodule=data)
+    fit_seconds = time.time() - fit_start
+    best = cli.checkpoint.best_model_path
+    if best:
+        model.drafter.load_state_dict(model.drafter_state_from_checkpoint(best))
+    trainer.validate(model, datamodule=data, verbose=False)
+    model.export(run_dir, extra={"trained_steps": trainer.global_step})
+    summary = build_summary(cli, best, fit_seconds, time.time() - t0)
+    return finish(summary, run_dir / "summary.json", tables=summary_tables(summary))
+
+
+def build_summary(cli: SpectrainCLI, best: str, fit_seconds: float, wall_seconds: float) -> dict:
+    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    metrics = model.last_val_metrics
+    heads = [{"head": k + 1, **{name: metrics.get(f"head{k + 1}_{name}") for name in
+                                 ("top1_gt", "top5_gt", "top1_ver", "top5_ver")}}
+             for k in range(getattr(model, "num_heads", 0))]
+    verifier_report = None
+    if model.verifier_name.startswith("bundled:"):
+        from spectrain.data.bundled import bundled_verifier_dir
+
+        report_path = bundled_verifier_dir(model.verifier_name.split(":", 1)[1]) / "build_report.json"
+        if report_path.is_file():
+            import json
+
+            verifier_report = json.loads(report_path.read_text())
+    return {
+        "method": model.method_name,
+        "verifier": model.verifier_name,
+        "verifier_report": verifier_report,
+        "data": data.data_name,
+        "data_format": data.resolved_format(),
+        "skipped_rows": data.skipped,
+        "target": getattr(model, "target", None),
+        "steps": trainer.global_step,
+        "fit_seconds": round(fit_seconds, 1),
+        "wall_seconds": round(wall_seconds, 1),
+        "trained_tokens": model.trained_tokens,
+        "train_tokens_per_second": round(model.trained_tokens / max(fit_seconds, 1e-9), 1),
+        "best_checkpoint": best or None,
+        "drafter_dir": str(cli.run_dir.resolve()),
+        "tau_pred": metrics.get("tau_pred"),
+        "heads": heads,
+        "val_metrics": metrics,
+    }
+
+
+def summary_tables(summary: dict) -> list[str]:
+    rows = [[h["head"], h["top1_ver"], h["top5_ver"], h["top1_gt"], h["top5_gt"]] for h in summary["heads"]]
+    per_head = format_table(["head", "top1 vs verifier", "top5 vs verifier", "top1 vs data", "top5 vs data"], rows,
+                            title=f"{summary['method']} on {summary['verifier']} ({summary['data']}), held-out")
+    tau = summary["tau_pred"]
+    facts = format_table(["", "value"], [
+        ["predicted tau (joint chain)", "n/a" if tau is None else f"{tau:.3f}"],
+        ["target", summary["target"]], ["steps", summary["steps"]],
+        ["train tokens/s", summary["train_tokens_per_second"]], ["wall seconds", summary["wall_seconds"]],
+    ])
+    return [per_head, facts]
+
+
+def _main(model_class: type[DrafterModule], default_config: str) -> None:
+    try:
+        train(model_class, default_config)
+    except SpectrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def module_for_config(name: str) -> type[DrafterModule]:
+    """The drafter module a recipe YAML in ``configs/`` is written for (by its ``<method>_`` prefix)."""
+    from .medusa import MedusaModule
+
+    modules = {"medusa": MedusaModule}
+    method = name.split("_", 1)[0]
+    if method not in modules:
+        raise SpectrainError(f"config {name!r} names no known method; expected a prefix in {sorted(modules)}")
+    return modules[method]
+
+
+def train_medusa() -> None:
+    """Console script ``train_medusa``."""
+    _main(module_for_config("medusa_tinyshakespeare.yaml"), "medusa_tinyshakespeare.yaml")
