@@ -1,0 +1,125 @@
+"""The speculative decoding loop (batch 1): prefill, then draft -> verify -> accept -> commit.
+
+One verifier forward per round checks every candidate of the drafter's tree;
+the round's single host sync reads the accepted path and the bonus token.
+Plain autoregressive decoding is the same loop with the empty drafter, so the
+baseline and the speculative runs share every line of the verifier path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spectrain.heads.errors import SpectrainError
+
+from .accept import Sampling, accept, sample, target_probs
+from .drafters import Drafter, DraftState
+from .static_model import StaticCausalLM
+
+
+@dataclass
+class Generation:
+    """One prompt's result. ``accept_lengths`` has one entry per verify round (prefill excluded)."""
+
+    tokens: list[int]
+    accept_lengths: list[int] = field(default_factory=list)
+    emitted_per_round: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    stop: str = "length"
+
+    @property
+    def verifier_forwards(self) -> int:
+        return len(self.accept_lengths)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def verify_mask_rows(tree) -> torch.Tensor:
+    """(n+1, n+1) ancestor-or-self matrix over [root, nodes...]: every node also sees the root."""
+    n = tree.size
+    rows = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=tree.ancestors.device)
+    rows[:, 0] = True
+    rows[1:, 1:] = tree.ancestors
+    return rows
+
+
+@torch.no_grad()
+def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_new_tokens: int,
+             sampling: Sampling = Sampling(), eos_ids: set[int] | frozenset = frozenset(),
+             generator: torch.Generator | None = None) -> Generation:
+    """Decode up to ``max_new_tokens`` after ``prompt`` (stopping at an EOS id, which is kept)."""
+    device = verifier.device
+    tree = drafter.tree.to(device)
+    n = tree.size
+    need = len(prompt) + max_new_tokens + n + 1
+    if need > verifier.max_len:
+        raise SpectrainError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + draft ({n + 1}) = {need} "
+                             f"tokens exceed the decoder's buffers ({verifier.max_len})")
+    if not prompt:
+        raise SpectrainError("empty prompt")
+    mask_rows = verify_mask_rows(tree)
+    depth_positions = torch.cat([tree.depth.new_zeros(1), tree.depth])
+    tokens = torch.zeros(verifier.max_len, dtype=torch.long, device=device)
+    tokens[:len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
+
+    _sync(device)
+    t0 = time.perf_counter()
+    verifier.reset()
+    hidden = verifier.forward(tokens[:len(prompt)])
+    verifier.commit(len(prompt))
+    root = sample(target_probs(verifier.logits(hidden[-1:]), sampling), generator)
+    tokens[len(prompt)] = root[0]
+    state = DraftState(tokens=tokens, length=len(prompt) + 1, hidden=hidden[-1], sampling=sampling, generator=generator)
+    drafter.start(state, verifier)
+    out = Generation(tokens=[int(root)])  # host sync: the prefill's token
+    _sync(device)
+    out.prefill_seconds = time.perf_counter() - t0
+    if out.tokens[0] in eos_ids:
+        out.stop = "eos"
+        return out
+
+    t1 = time.perf_counter()
+    while len(out.tokens) < max_new_tokens:
+        proposal = drafter.propose(state)
+        ids = torch.cat([state.tokens[state.length - 1:state.length], proposal.tokens])
+        base = verifier.length
+        hidden = verifier.forward(ids, positions=base + depth_positions, mask=verifier.tree_mask(mask_rows))
+        q = target_probs(verifier.logits(hidden), sampling)[None]
+        probs = None if proposal.probs is None else proposal.probs[None]
+        verdict = accept(q, proposal.tokens[None], tree, probs, generator)
+        path_tokens = proposal.tokens.gather(0, verdict.path[0].clamp_min(0)) if n else verdict.bonus[:0]
+        # The round's one host sync: accept length, path, its tokens and the bonus together.
+        a, *rest = torch.cat([verdict.accept_length, verdict.path[0], path_tokens, verdict.bonus]).tolist()
+        depth = verdict.path.shape[1]
+        path, new = rest[:a], rest[depth:depth + a] + [rest[-1]]
+        slots = [0] + [1 + node for node in path]
+        if tree.is_chain:
+            verifier.commit(1 + a)
+        else:
+            verifier.commit(1 + a, torch.tensor(slots, device=device) + base)
+        room = max_new_tokens - len(out.tokens)
+        kept = new[:room]
+        for i, t in enumerate(kept):
+            if t in eos_ids:
+                kept = kept[:i + 1]
+                out.stop = "eos"
+                break
+        out.tokens.extend(kept)
+        out.accept_lengths.append(a)
+        out.emitted_per_round.append(len(kept))
+        tokens[state.length:state.length + a + 1] = torch.cat([path_tokens[:a], verdict.bonus])
+        state.length += len(new)
+        state.hidden = hidden[slots[-1]]
+        drafter.advance(a, state)
+        if out.stop == "eos":
+            break
+    _sync(device)
+    out.decode_seconds = time.perf_counter() - t1
+    return out

@@ -1,0 +1,179 @@
+"""Drafters behind one small interface.
+
+Each round the decoder hands a drafter the :class:`DraftState` (context tokens,
+the verifier's last hidden state, the root token = last emitted token, not yet
+run by the verifier) and gets back a :class:`Proposal`: a token for every node
+of the drafter's tree (a chain is a tree), plus the drafter's probabilities
+when the drafts were sampled. After verification the drafter hears how many
+drafts were accepted (``advance``) so it can roll its own state back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.medusa import MedusaHeads
+
+from .accept import Sampling, sample, target_probs
+from .static_model import StaticCausalLM
+from .tree import Tree
+
+
+@dataclass
+class DraftState:
+    """What a drafter may look at. ``tokens[:length]`` is the context, ``tokens[length-1]`` the root."""
+
+    tokens: torch.Tensor  # (max_len,) on device
+    length: int
+    hidden: torch.Tensor  # (H,) verifier hidden state that produced the root
+    sampling: Sampling
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # (n,) one per tree node
+    probs: torch.Tensor | None = None  # (n, V) for sampled chain drafts
+
+
+class Drafter:
+    """Base: no drafts (plain autoregressive decoding through the same loop)."""
+
+    name = "none"
+
+    def __init__(self, tree: Tree | None = None):
+        self.tree = tree if tree is not None else Tree.chain(0)
+
+    def start(self, state: DraftState, verifier: StaticCausalLM) -> None:
+        """Called after the verifier's prefill of a new prompt."""
+
+    def propose(self, state: DraftState) -> Proposal:
+        return Proposal(tokens=state.tokens.new_zeros(0))
+
+    def advance(self, accepted: int, state: DraftState) -> None:
+        """``accepted`` drafts were kept; ``state`` is the context after the round (new root included)."""
+
+    def draft_distributions(self, state: DraftState) -> torch.Tensor | None:
+        """(depth, V) the drafter's distribution for each chain depth, for KL/TV diagnostics (None if n/a)."""
+        return None
+
+
+class MedusaDrafter(Drafter):
+    """Medusa heads: node at depth d with rank r takes head d's r-th most likely token."""
+
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, verifier_lm_head, tree: Tree):
+        if tree.max_depth > heads.config.num_heads:
+            raise SpectrainError(f"the tree is {tree.max_depth} deep but there are only {heads.config.num_heads} "
+                                 "Medusa heads")
+        super().__init__(tree)
+        self.heads, self.lm_head = heads, verifier_lm_head
+        self.max_rank = int(tree.rank.max()) + 1 if tree.size else 1
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.heads(hidden.to(next(self.heads.parameters()).dtype)[None], self.lm_head)[:, 0].float()
+
+    def propose(self, state: DraftState) -> Proposal:
+        if self.tree.size == 0:
+            return super().propose(state)
+        logits = self._logits(state.hidden)  # (K, V)
+        top = logits.topk(self.max_rank, dim=-1).indices  # (K, R)
+        return Proposal(tokens=top[self.tree.depth - 1, self.tree.rank])
+
+    def draft_distributions(self, state: DraftState) -> torch.Tensor:
+        return target_probs(self._logits(state.hidden), Sampling(temperature=max(state.sampling.temperature, 1.0)))
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup (training-free): find the latest earlier occurrence of the context's last n-gram
+    (n = max_ngram .. 1) and propose the tokens that followed it."""
+
+    name = "ngram"
+
+    def __init__(self, k: int, max_ngram: int = 3):
+        super().__init__(Tree.chain(k))
+        self.k, self.max_ngram = k, max_ngram
+        self.history: list[int] = []
+
+    def start(self, state: DraftState, verifier) -> None:
+        self.history = state.tokens[:state.length].tolist()
+
+    def advance(self, accepted: int, state: DraftState) -> None:
+        self.history = state.tokens[:state.length].tolist()  # one transfer per round, after the round's sync
+
+    def propose(self, state: DraftState) -> Proposal:
+        ctx, k = self.history, self.k
+        for n in range(min(self.max_ngram, len(ctx) - 1), 0, -1):
+            suffix = ctx[-n:]
+            for start in range(len(ctx) - n - 1, -1, -1):
+                if ctx[start:start + n] == suffix:
+                    follow = ctx[start + n:start + n + k]
+                    follow = follow + [follow[-1]] * (k - len(follow))
+                    return Proposal(tokens=torch.tensor(follow, dtype=torch.long, device=state.tokens.device))
+        return Proposal(tokens=torch.full((k,), ctx[-1], dtype=torch.long, device=state.tokens.device))
+
+
+class ModelDrafter(Drafter):
+    """A small causal LM with the verifier's tokenizer drafts a chain autoregressively with its own KV cache."""
+
+    name = "draft-model"
+
+    def __init__(self, model, k: int, max_len: int):
+        super().__init__(Tree.chain(k))
+        self.k = k
+        self.runner = StaticCausalLM(model, max_len=max_len + k + 1)
+        self.pending: torch.Tensor | None = None  # context tokens not yet in the draft cache
+
+    def start(self, state: DraftState, verifier) -> None:
+        self.runner.reset()
+        self.pending = state.tokens[:state.length]
+
+    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.runner.forward(tokens)
+        self.runner.commit(tokens.numel())
+        return self.runner.logits(hidden[-1])
+
+    def propose(self, state: DraftState) -> Proposal:
+        self._committed = self.runner.length
+        logits = self._step(self.pending)
+        tokens, probs = [], []
+        for i in range(self.k):
+            p = target_probs(logits, state.sampling)
+            token = sample(p[None], state.generator)[0] if not state.sampling.greedy else logits.argmax()
+            tokens.append(token)
+            probs.append(p)
+            if i + 1 < self.k:
+                logits = self._step(token[None])
+        self._last_draft = tokens[-1] if tokens else None
+        tokens = torch.stack(tokens) if tokens else state.tokens.new_zeros(0)
+        return Proposal(tokens=tokens, probs=None if state.sampling.greedy else torch.stack(probs))
+
+    def advance(self, accepted: int, state: DraftState) -> None:
+        # The draft cache holds pending + drafts 1..k-1; keep pending + the accepted drafts, re-feed the rest.
+        keep = self._committed + self.pending.numel() + min(accepted, self.k - 1)
+        self.runner.length = keep
+        self.pending = state.tokens[keep:state.length]
+
+
+def truncated_verifier(model, num_layers: int):
+    """The classic draft-model baseline: the verifier's first ``num_layers`` layers + its norm and lm_head
+    (weights shared, nothing copied)."""
+    import copy
+
+    n = model.config.num_hidden_layers
+    if not 1 <= num_layers < n:
+        raise SpectrainError(f"a truncated verifier needs 1 <= layers < {n}, got {num_layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:num_layers]
+    param = next(model.parameters())
+    draft = type(model)(config).to(dtype=param.dtype)
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    draft.load_state_dict(state, assign=True, strict=False)  # assign: share the verifier's tensors
+    return draft.to(param.device).eval().requires_grad_(False)

@@ -1,0 +1,235 @@
+"""The evaluator is lossless: greedy identity, exact sampling distribution, exact KV rollback."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import pytest
+import torch
+
+from spectrain.eval import accept as accept_mod
+from spectrain.eval.accept import Sampling, accept
+from spectrain.eval.decode import generate
+from spectrain.eval.drafters import Drafter, MedusaDrafter, ModelDrafter, NgramDrafter, truncated_verifier
+from spectrain.eval.static_model import StaticCausalLM
+from spectrain.eval.tree import Tree
+from tests.eval_helpers import bigram_verifier, noised_copy, oracle_medusa
+
+K = 4
+TREE = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
+
+
+def prompts(n: int = 3, length: int = 10, vocab: int = 300):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def verifier(request):
+    model, perm = bigram_verifier(request.param)
+    return model, perm
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["medusa-chain", "medusa-tree", "draft-model", "truncated", "ngram"])
+def test_greedy_spec_equals_ar_and_hf_generate(verifier, kind):
+    model, perm = verifier
+    runner = StaticCausalLM(model, max_len=128)
+    lm_head = model.get_output_embeddings()
+    drafter = {
+        "medusa-chain": lambda: MedusaDrafter(oracle_medusa(model, perm, K, noise=1.4), lm_head, Tree.chain(K)),
+        "medusa-tree": lambda: MedusaDrafter(oracle_medusa(model, perm, K, noise=1.4), lm_head, TREE),
+        "draft-model": lambda: ModelDrafter(noised_copy(model, 0.8), K, max_len=128),
+        "truncated": lambda: ModelDrafter(truncated_verifier(model, 1), K, max_len=128),
+        "ngram": lambda: NgramDrafter(K),
+    }[kind]()
+    histogram = collections.Counter()
+    for prompt in prompts():
+        expected = hf_greedy(model, prompt, 60)
+        assert generate(runner, Drafter(), prompt, 60).tokens == expected
+        spec = generate(runner, drafter, prompt, 60)
+        assert spec.tokens == expected
+        assert sum(spec.emitted_per_round) + 1 == len(spec.tokens)  # +1: the prefill's token
+        histogram.update(spec.accept_lengths)
+    if kind in ("medusa-chain", "medusa-tree", "draft-model"):
+        assert set(histogram) == set(range(K + 1)), f"rejections, partial and full acceptance all occur: {histogram}"
+
+
+def test_eos_stops_generation(verifier):
+    model, perm = verifier
+    runner = StaticCausalLM(model, max_len=128)
+    prompt = prompts(1)[0]
+    full = generate(runner, Drafter(), prompt, 30).tokens
+    eos = full[7]
+    first = full.index(eos)
+    drafter = MedusaDrafter(oracle_medusa(model, perm, K, noise=0.0), model.get_output_embeddings(), Tree.chain(K))
+    out = generate(runner, drafter, prompt, 30, eos_ids={eos})
+    assert out.tokens == full[:first + 1] and out.stop == "eos"
+
+
+def test_kv_rollback_equals_fresh_prefill(verifier):
+    """After rounds with rejections, the committed cache equals running the verifier on the kept tokens."""
+    model, perm = verifier
+    runner = StaticCausalLM(model, max_len=128)
+    prompt = prompts(1)[0]
+    drafter = MedusaDrafter(oracle_medusa(model, perm, K, noise=1.4), model.get_output_embeddings(), TREE)
+    out = generate(runner, drafter, prompt, 40)
+    assert any(0 < a < K for a in out.accept_lengths), "the run must include partial rejections"
+    # The cache holds prompt + all emitted tokens but the last (the next round's root).
+    kept = prompt + out.tokens[:-1]
+    assert runner.length == len(kept)
+    fresh = StaticCausalLM(model, max_len=128)
+    fresh.forward(torch.tensor(kept))
+    n = len(kept)
+    torch.testing.assert_close(runner.cache.k[:, :, :, :n], fresh.cache.k[:, :, :, :n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runner.cache.v[:, :, :, :n], fresh.cache.v[:, :, :, :n], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ exact sampling distribution
+
+V, ROOT, DRAWS = 4, 0, 60_000
+
+
+def toy_tables(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(V, V, generator=g) ** 2 + 0.05
+    p = torch.rand(V, V, generator=g) ** 2 + 0.05
+    return q / q.sum(-1, keepdim=True), p / p.sum(-1, keepdim=True)
+
+
+def first_tokens_by_speculative_sampling(Q, P, k: int, draws: int, seed: int) -> torch.Tensor:
+    """(draws, k+1) first k+1 tokens of batched speculative sampling with a chain of k sampled drafts."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((draws, k + 1), -1, dtype=torch.long)
+    filled = torch.zeros(draws, dtype=torch.long)
+    last = torch.full((draws,), ROOT, dtype=torch.long)
+    tree = Tree.chain(k)
+    rows = torch.arange(draws)
+    while bool((filled < k + 1).any()):
+        drafts, probs, prev = [], [], last
+        for _ in range(k):
+            p = P[prev]
+            d = torch.multinomial(p, 1, generator=g)[:, 0]
+            drafts.append(d)
+            probs.append(p)
+            prev = d
+        drafts = torch.stack(drafts, 1)
+        q = torch.stack([Q[last]] + [Q[drafts[:, i]] for i in range(k)], 1)
+        verdict = accept(q, drafts, tree, torch.stack(probs, 1), generator=g)
+        emitted = torch.cat([drafts, verdict.bonus[:, None]], 1)
+        count = verdict.accept_length + 1
+        emitted[rows, verdict.accept_length] = verdict.bonus
+        for j in range(k + 1):
+            take = (j < count) & (filled < k + 1)
+            out[rows[take], filled[take]] = emitted[take, j]
+            filled = filled + take.long()
+        last = emitted[rows, verdict.accept_length]
+    return out
+
+
+def chi_square_p(samples: torch.Tensor, Q: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+
+    k1 = samples.shape[1]
+    counts = collections.Counter(map(tuple, samples.tolist()))
+    observed, expected = [], []
+    for seq in itertools.product(range(V), repeat=k1):
+        prob, prev = 1.0, ROOT
+        for t in seq:
+            prob *= float(Q[prev, t])
+            prev = t
+        observed.append(counts.get(seq, 0))
+        expected.append(prob)
+    return float(chisquare(observed, rescaled(expected, observed)).pvalue)
+
+
+def rescaled(probs, observed):
+    """Expected counts summing exactly to the observed total (scipy checks the sums match)."""
+    import numpy as np
+
+    probs = np.asarray(probs, dtype=np.float64)
+    return probs / probs.sum() * float(np.sum(observed))
+
+
+def test_speculative_sampling_matches_the_verifier_distribution():
+    Q, P = toy_tables()
+    samples = first_tokens_by_speculative_sampling(Q, P, k=2, draws=DRAWS, seed=1)
+    assert chi_square_p(samples, Q) > 0.05
+
+
+def test_replacing_the_residual_by_q_is_detected(monkeypatch):
+    """Negative control: the same test must fail for the classic bug of resampling from q on rejection."""
+    monkeypatch.setattr(accept_mod, "residual_after_rejection", lambda q, p: q)
+    Q, P = toy_tables()
+    samples = first_tokens_by_speculative_sampling(Q, P, k=2, draws=DRAWS, seed=1)
+    assert chi_square_p(samples, Q) < 1e-6
+
+
+def test_tree_sampling_with_deterministic_siblings_matches_the_verifier():
+    """Two candidate siblings at depth 1, one child below the first: the first two emitted tokens ~ Q."""
+    Q, _ = toy_tables(seed=3)
+    tree = Tree.from_paths([[0], [1], [0, 0]])
+    g = torch.Generator().manual_seed(5)
+    n = DRAWS
+    drafts = torch.tensor([[1, 2, 3]]).expand(n, 3)  # node0 = 1, node1 = 2, node2 (child of node0) = 3
+    q = torch.stack([Q[ROOT], Q[1], Q[2], Q[3]])[None].expand(n, 4, V)
+    verdict = accept(q, drafts, tree, generator=g)
+    first = torch.where(verdict.accept_length >= 1, drafts.gather(1, verdict.path[:, :1].clamp_min(0))[:, 0], verdict.bonus)
+    from scipy.stats import chisquare
+
+    observed = torch.bincount(first, minlength=V).tolist()
+    assert chisquare(observed, rescaled(Q[ROOT].tolist(), observed)).pvalue > 0.05
+    # Given token 1 was accepted, the next token (node2 = 3 or the bonus) follows Q[1].
+    took_1 = verdict.accept_length >= 1
+    took_1 &= verdict.path[:, 0] == 0
+    second = torch.where(verdict.accept_length[took_1] == 2, torch.tensor(3), verdict.bonus[took_1])
+    observed = torch.bincount(second, minlength=V).tolist()
+    assert chisquare(observed, rescaled(Q[1].tolist(), observed)).pvalue > 0.05
+
+
+# ------------------------------------------------------------------------------ hand-made accept cases
+
+
+def one_hot_rows(*tokens: int, vocab: int = 8) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()[None]
+
+
+def test_all_accepted_gives_the_bonus():
+    verdict = accept(one_hot_rows(3, 5, 1, 7), torch.tensor([[3, 5, 1]]), Tree.chain(3))
+    assert verdict.accept_length.tolist() == [3] and verdict.bonus.tolist() == [7]
+    assert verdict.path.tolist() == [[0, 1, 2]]
+
+
+def test_first_draft_rejected():
+    verdict = accept(one_hot_rows(3, 5, 1, 7), torch.tensor([[4, 5, 1]]), Tree.chain(3))
+    assert verdict.accept_length.tolist() == [0] and verdict.bonus.tolist() == [3]
+
+
+def test_rejection_in_the_middle():
+    verdict = accept(one_hot_rows(3, 5, 1, 7), torch.tensor([[3, 6, 1]]), Tree.chain(3))
+    assert verdict.accept_length.tolist() == [1] and verdict.bonus.tolist() == [5]
+
+
+def test_tree_second_sibling_matches():
+    # root children: node0 (rank 0) = 2, node1 (rank 1) = 3; node2 = child of node1 = 6.
+    tree = Tree.from_paths([[0], [1], [1, 0]])
+    q = one_hot_rows(3, 0, 6, 4)  # root wants 3; node1 (token 3) wants 6; node2 wants 4 (bonus)
+    verdict = accept(q, torch.tensor([[2, 3, 6]]), tree)
+    assert verdict.accept_length.tolist() == [2] and verdict.path.tolist() == [[1, 2]]
+    assert verdict.bonus.tolist() == [4]
+
+
+def test_malformed_tree_specs():
+    from spectrain.heads.errors import SpectrainError
+
+    with pytest.raises(SpectrainError, match="missing"):
+        Tree.from_paths([[0, 1]])
+    with pytest.raises(SpectrainError, match="non-negative"):
+        Tree.from_paths([[-1]])
+    with pytest.raises(SpectrainError, match="JSON"):
+        Tree.load("[[0], [1")
