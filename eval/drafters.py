@@ -71,11 +71,15 @@ class MedusaDrafter(Drafter):
             raise SpectrainError(f"the tree is {tree.max_depth} deep but there are only {heads.config.num_heads} "
                                  "Medusa heads")
         super().__init__(tree)
-        self.heads, self.lm_head = heads, verifier_lm_head
+        self.heads, self.lm_head = heads.to(verifier_lm_head.weight.device, verifier_lm_head.weight.dtype), verifier_lm_head
         self.max_rank = int(tree.rank.max()) + 1 if tree.size else 1
 
+    def _logits_many(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (K, ..., V) fp32 head logits."""
+        return self.heads(hidden.to(self.lm_head.weight.dtype), self.lm_head).float()
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.heads(hidden.to(next(self.heads.parameters()).dtype)[None], self.lm_head)[:, 0].float()
+        return self._logits_many(hidden[None])[:, 0]
 
     def propose(self, state: DraftState) -> Proposal:
         if self.tree.size == 0:

@@ -1,0 +1,365 @@
+"""``spectrain-eval``: speculative decoding with a trained drafter vs. our AR loop vs. HF ``generate()``.
+
+Imports only torch, transformers and safetensors (matplotlib for the plots, when installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.report import finish, format_table
+from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
+
+from . import metrics
+from .accept import Sampling
+from .calibrate import medusa_diagnostics
+from .costs import draft_cost, plan, probe_state, verify_cost
+from .decode import Generation, generate
+from .drafters import Drafter, MedusaDrafter, ModelDrafter, NgramDrafter, truncated_verifier
+from .prompts import BUNDLED, load_prompts
+from .static_model import StaticCausalLM
+from .tree import Tree, build_tree, expected_accept_length
+
+METHODS = ("medusa", "ngram", "draft-model", "truncated", "none")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spectrain-eval", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--verifier", default="bundled:tinyshakespeare", help="hub id, local dir or bundled:<name>")
+    p.add_argument("--gguf_file", default=None, help="GGUF file inside --verifier")
+    p.add_argument("--method", default="medusa", choices=METHODS, help="drafter kind")
+    p.add_argument("--drafter", default=None, help="drafter directory (a train_medusa run dir or an export)")
+    p.add_argument("--draft_model", default=None, help="draft LM for --method draft-model (same tokenizer)")
+    p.add_argument("--draft_layers", type=int, default=1, help="layers kept by --method truncated")
+    p.add_argument("--allow_verifier_mismatch", action="store_true",
+                   help="accept a drafter whose recorded verifier name differs from --verifier (sizes must match)")
+    p.add_argument("--k", type=int, default=4, help="chain length (drafts per round); 0 skips the chain")
+    p.add_argument("--tree", default=None,
+                   help="static tree: JSON list of rank paths (inline or file), or auto:N for the best N-node tree "
+                        "from measured per-head rank accuracies (Medusa)")
+    p.add_argument("--prompts", default=BUNDLED, help="MT-bench/Alpaca turns jsonl, json, text file, or bundled")
+    p.add_argument("--num_prompts", type=int, default=20)
+    p.add_argument("--prompt_tokens", type=int, default=64, help="prompt length for bundled text prompts")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--chat_template", default="auto", choices=["auto", "on", "off"],
+                   help="render prompts with the tokenizer's chat template (auto: on when it has one, off for "
+                        "bundled text)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16")
+    p.add_argument("--hf_generate", type=int, default=3, help="prompts timed with HF generate() (0: skip)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output directory (default runs/eval/<method>-<verifier>)")
+    p.add_argument("--trust_remote_code", action="store_true")
+    return p.parse_args(argv)
+
+
+# -------------------------------------------------------------------------------------------- setup
+
+
+def load_medusa(path: str, verifier, verifier_name: str, allow_mismatch: bool) -> MedusaHeads:
+    if not path:
+        raise SpectrainError("--method medusa needs --drafter (a train_medusa run directory)")
+    heads = MedusaHeads.from_pretrained(path, verifier_model=verifier.model)
+    recorded = heads.config.verifier
+    if recorded and recorded != verifier_name and not allow_mismatch:
+        raise SpectrainError(f"drafter {path} was trained for verifier {recorded!r}, not {verifier_name!r}; "
+                             "pass --allow_verifier_mismatch if they are the same model")
+    return heads
+
+
+def encode_turn(tokenizer, history: list[dict], use_template: bool) -> list[int]:
+    if use_template:
+        return tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return tokenizer("\n".join(m["content"] for m in history), add_special_tokens=False)["input_ids"]
+
+
+def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
+    trees = {}
+    if args.k > 0:
+        trees[f"chain-{args.k}"] = Tree.chain(args.k)
+    if args.tree:
+        if args.tree.startswith("auto:"):
+            if calibration is None:
+                raise SpectrainError("--tree auto:N needs measured rank accuracies (Medusa drafters)")
+            size = int(args.tree.split(":", 1)[1])
+            trees[f"tree-{size}"] = build_tree(calibration["rank_accuracy"], size)
+        else:
+            tree = Tree.load(args.tree)
+            trees[f"tree-{tree.size}"] = tree
+    if args.method != "none" and not trees:
+        raise SpectrainError("nothing to evaluate: give --k > 0 and/or --tree")
+    for name, tree in trees.items():
+        if drafter_heads is not None and tree.max_depth > drafter_heads.config.num_heads:
+            raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter has "
+                                 f"{drafter_heads.config.num_heads} heads")
+        if args.method in ("ngram", "draft-model", "truncated") and not tree.is_chain:
+            raise SpectrainError(f"--method {args.method} drafts chains only; drop --tree")
+    return trees
+
+
+def build_drafter(args, tree: Tree, verifier, heads, max_len: int) -> Drafter:
+    if args.method == "medusa":
+        return MedusaDrafter(heads, verifier.model.get_output_embeddings(), tree)
+    if args.method == "ngram":
+        return NgramDrafter(tree.size)
+    if args.method == "truncated":
+        return ModelDrafter(truncated_verifier(verifier.model, args.draft_layers), tree.size, max_len)
+    if args.method == "draft-model":
+        if not args.draft_model:
+            raise SpectrainError("--method draft-model needs --draft_model")
+        draft = load_verifier(args.draft_model, dtype=args.dtype, device=args.device).model
+        if draft.get_output_embeddings().weight.shape[0] != verifier.model.get_output_embeddings().weight.shape[0]:
+            raise SpectrainError("the draft model's vocabulary differs from the verifier's")
+        return ModelDrafter(draft, tree.size, max_len)
+    return Drafter()
+
+
+# -------------------------------------------------------------------------------------------- runs
+
+
+def run_prompts(runner, drafter, prompts, tokenizer, use_template, args, sampling, eos) -> list[dict]:
+    """Generate every turn of every prompt (later turns see the earlier answers, as MT-bench does)."""
+    generator = torch.Generator(device=runner.device).manual_seed(args.seed)
+    records = []
+    for i, turns in enumerate(prompts):
+        history, record = [], {"prompt": i, "turns": []}
+        for turn in turns:
+            history.append({"role": "user", "content": turn})
+            ids = encode_turn(tokenizer, history, use_template)
+            if len(ids) + args.max_new_tokens + drafter.tree.size + 1 > runner.max_len:
+                raise SpectrainError(f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {args.max_new_tokens} "
+                                     f"exceed the verifier's context of {runner.max_len}")
+            gen = generate(runner, drafter, ids, args.max_new_tokens, sampling, eos, generator)
+            answer = tokenizer.decode(gen.tokens, skip_special_tokens=True)
+            history.append({"role": "assistant", "content": answer})
+            record["turns"].append({"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "stop": gen.stop,
+                                    "accept_lengths": gen.accept_lengths, "emitted_per_round": gen.emitted_per_round,
+                                    "prefill_seconds": gen.prefill_seconds, "decode_seconds": gen.decode_seconds,
+                                    "tokens": gen.tokens, "sequence": ids + gen.tokens})
+        records.append(record)
+    return records
+
+
+def summarize(records: list[dict], depth: int) -> dict:
+    turns = [t for r in records for t in r["turns"]]
+    accept = [a for t in turns for a in t["accept_lengths"]]
+    new_tokens = sum(t["new_tokens"] for t in turns)
+    decode = sum(t["decode_seconds"] for t in turns)
+    total = decode + sum(t["prefill_seconds"] for t in turns)
+    # Decode throughput counts the tokens made by verify rounds (the prefill's token is timed with the prefill).
+    decode_tokens = sum(sum(t["emitted_per_round"]) for t in turns)
+    return {
+        "tau": metrics.tau([t["emitted_per_round"] for t in turns]),
+        "alpha": metrics.alphas(accept, depth),
+        "accept_histogram": metrics.histogram(accept, depth),
+        "verifier_forwards": len(accept),
+        "new_tokens": new_tokens,
+        "wall_seconds": total,
+        "tokens_per_second": new_tokens / max(total, 1e-9),
+        "decode_ms_per_token": 1000 * decode / max(decode_tokens, 1),
+        "distinct_4gram": metrics.distinct_ngram_ratio([t["tokens"] for t in turns]),
+    }
+
+
+def hf_generate_speed(model, tokenizer, prompts, use_template, args, n: int) -> dict | None:
+    """HF ``generate()`` tokens/s on the first n prompts (greedy or sampled as configured, warm-up excluded)."""
+    if n <= 0:
+        return None
+    ids = [encode_turn(tokenizer, [{"role": "user", "content": p[0]}], use_template) for p in prompts[:n]]
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, pad_token_id=tokenizer.pad_token_id)
+    if args.temperature > 0:
+        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
+    device = next(model.parameters()).device
+    model.generate(torch.tensor([ids[0]], device=device), **{**kwargs, "max_new_tokens": 4})  # warm-up
+    tokens, seconds = 0, 0.0
+    for x in ids:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(torch.tensor([x], device=device), **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - t0
+        tokens += out.shape[1] - len(x)
+    return {"prompts": len(ids), "new_tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9)}
+
+
+def evaluate(args) -> Path:
+    sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    torch.manual_seed(args.seed)
+    dtype = resolve_dtype(args.dtype, args.device)
+    verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, dtype=dtype, device=args.device,
+                             trust_remote_code=args.trust_remote_code)
+    tokenizer = verifier.tokenizer
+    context = max_context(verifier.config)
+    if args.max_new_tokens < 1:
+        raise SpectrainError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_new_tokens >= context:
+        raise SpectrainError(f"--max_new_tokens {args.max_new_tokens} is beyond the verifier's context of {context}")
+    prompts = load_prompts(args.prompts, args.num_prompts, tokenizer, args.prompt_tokens)
+    use_template = {"on": True, "off": False}.get(args.chat_template,
+                                                  bool(getattr(tokenizer, "chat_template", None)) and args.prompts != BUNDLED)
+    if use_template and not getattr(tokenizer, "chat_template", None):
+        raise SpectrainError("--chat_template on, but the verifier's tokenizer has no chat template")
+    heads = load_medusa(args.drafter, verifier, args.verifier, args.allow_verifier_mismatch) if args.method == "medusa" else None
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    longest = max(len(encode_turn(tokenizer, [{"role": "user", "content": t}], use_template)) for p in prompts for t in p)
+    turns = max(len(p) for p in prompts)
+    max_len = min(context, turns * (longest + args.max_new_tokens + 16) + 80)
+    runner = StaticCausalLM(verifier.model, max_len=max_len, device=args.device)
+
+    t0 = time.time()
+    ar_records = run_prompts(runner, Drafter(), prompts, tokenizer, use_template, args, sampling, eos)
+    results = {"ar": summarize(ar_records, 0)}
+    per_prompt = {"ar": ar_records}
+
+    calibration = None
+    if heads is not None:
+        probe = MedusaDrafter(heads, verifier.model.get_output_embeddings(), Tree.chain(heads.config.num_heads))
+        seqs = [t["sequence"] for r in ar_records for t in r["turns"]]
+        starts = [t["prompt_tokens"] for r in ar_records for t in r["turns"]]
+        calibration = medusa_diagnostics(runner, probe, seqs, starts, temperature=max(args.temperature, 1.0))
+    trees = make_trees(args, heads, calibration)
+
+    probe_prompt = encode_turn(tokenizer, [{"role": "user", "content": prompts[0][0]}], use_template)
+    state = probe_state(runner, probe_prompt, sampling)
+    t_decode = verify_cost(runner, Tree.chain(0), len(probe_prompt))
+    costs = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
+    t_verify, t_draft = {}, {}
+    for name, tree in trees.items():
+        drafter = build_drafter(args, tree, verifier, heads, max_len)
+        records = run_prompts(runner, drafter, prompts, tokenizer, use_template, args, sampling, eos)
+        summary = summarize(records, tree.max_depth)
+        tv, td = verify_cost(runner, tree, len(probe_prompt)), draft_cost(drafter, state)
+        summary.update(tree_size=tree.size, tree_paths=[list(p) for p in tree.paths],
+                       speedup=results["ar"]["decode_ms_per_token"] / max(summary["decode_ms_per_token"], 1e-9),
+                       ideal_speedup=summary["tau"] * t_decode / (tv + td),
+                       identical_to_ar=sampling.greedy and all(
+                           a["tokens"] == b["tokens"] for ra, rb in zip(ar_records, records)
+                           for a, b in zip(ra["turns"], rb["turns"])))
+        summary["speedup_vs_ideal"] = summary["speedup"] / max(summary["ideal_speedup"], 1e-9)
+        if calibration is not None and not tree.is_chain:
+            summary["expected_accept_length"] = expected_accept_length(tree.paths, calibration["rank_accuracy"])
+        costs["settings"][name] = {"t_verify_ms": 1000 * tv, "t_draft_ms": 1000 * td}
+        if tree.is_chain:
+            t_verify[tree.size], t_draft[tree.size] = tv, td
+        results[name] = summary
+        per_prompt[name] = records
+    # Planner: expected speedup for every chain length up to the measured depth.
+    chain = next((results[n] for n, t in trees.items() if t.is_chain), None)
+    planner = None
+    if chain is not None:
+        depth = len(chain["alpha"])
+        for n in range(1, depth + 1):
+            if n not in t_verify:
+                t_verify[n] = verify_cost(runner, Tree.chain(n), len(probe_prompt))
+                t_draft[n] = draft_cost(build_drafter(args, Tree.chain(n), verifier, heads, max_len), state) \
+                    if args.method != "medusa" else t_draft.get(depth, 0.0)
+        planner = plan(chain["alpha"], t_decode, t_verify, t_draft)
+        best = max(planner, key=lambda r: r["expected_speedup"]) if planner else None
+        planner = {"chains": planner, "best_chain": best}
+    hf = hf_generate_speed(verifier.model, tokenizer, prompts, use_template, args, args.hf_generate)
+
+    out_dir = Path(args.out or f"runs/eval/{args.method}-{Path(args.verifier.replace(':', '-')).name}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "command": "spectrain-eval " + " ".join(sys.argv[1:]),
+        "verifier": args.verifier, "method": args.method, "drafter": args.drafter, "device": args.device,
+        "dtype": str(dtype).replace("torch.", ""), "sampling": asdict(sampling), "prompts": args.prompts,
+        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "chat_template": use_template,
+        "results": results, "costs": costs, "planner": planner, "hf_generate": hf, "calibration": calibration,
+        "eval_seconds": time.time() - t0, "per_prompt": per_prompt,
+    }
+    plots = write_plots(summary, out_dir)
+    summary["plots"] = plots
+    return finish(summary, out_dir / "eval.json", tables=tables(summary))
+
+
+def tables(summary: dict) -> list[str]:
+    rows = []
+    for name, r in summary["results"].items():
+        rows.append([name, r.get("tree_size", 0), r["tau"], r["tokens_per_second"], r["decode_ms_per_token"],
+                     r.get("speedup", 1.0), r.get("ideal_speedup", 1.0), r["distinct_4gram"],
+                     "-" if name == "ar" else ("yes" if r.get("identical_to_ar") else "n/a" if summary["sampling"]["temperature"] else "NO")])
+    hf = summary["hf_generate"]
+    title = (f"{summary['method']} on {summary['verifier']} — {summary['num_prompts']} prompts, "
+             f"T={summary['sampling']['temperature']}, {summary['max_new_tokens']} new tokens, {summary['device']}"
+             + (f"; HF generate(): {hf['tokens_per_second']:.1f} tok/s" if hf else ""))
+    out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup", "ideal", "distinct-4",
+                         "same as AR"], rows, title=title)]
+    for name, r in summary["results"].items():
+        if name == "ar":
+            continue
+        alpha = " ".join("-" if a is None else f"{a:.2f}" for a in r["alpha"])
+        out.append(f"{name}: alpha by depth [{alpha}]  accept-length histogram {r['accept_histogram']}")
+    cal = summary["calibration"]
+    if cal:
+        out.append(format_table(["head", "top-1 vs verifier", "top-5", "KL(q||p)", "TV"],
+                                [[k + 1, acc[0], sum(acc[:5]), kl, tv] for k, (acc, kl, tv) in
+                                 enumerate(zip(cal["rank_accuracy"], cal["kl"], cal["tv"]))],
+                                title="drafter quality on the AR outputs (teacher-forced)"))
+    if summary["planner"]:
+        out.append(format_table(["chain n", "expected tau", "expected speedup"],
+                                [[r["n"], r["expected_tau"], r["expected_speedup"]] for r in summary["planner"]["chains"]],
+                                title="planner (measured alpha and costs)"))
+    return out
+
+
+def write_plots(summary: dict, out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    settings = {k: v for k, v in summary["results"].items() if k != "ar"}
+    if not settings:
+        return paths
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, r in settings.items():
+        ax.plot(range(1, len(r["alpha"]) + 1), [a if a is not None else float("nan") for a in r["alpha"]], "o-", label=name)
+    ax.set(xlabel="draft depth k", ylabel="alpha_k", ylim=(0, 1), title="acceptance by position")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "alpha.png", dpi=120)
+    paths.append(str(out_dir / "alpha.png"))
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    width = 0.8 / len(settings)
+    for i, (name, r) in enumerate(settings.items()):
+        hist = r["accept_histogram"]
+        total = max(sum(hist), 1)
+        ax.bar([a + i * width for a in range(len(hist))], [h / total for h in hist], width=width, label=name)
+    ax.set(xlabel="accepted drafts per round", ylabel="fraction of rounds", title="accept-length histogram")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "accept_hist.png", dpi=120)
+    paths.append(str(out_dir / "accept_hist.png"))
+    plt.close("all")
+    return paths
+
+
+def main(argv=None) -> None:
+    try:
+        evaluate(parse_args(argv))
+    except SpectrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Evaluation prompts: MT-bench / Alpaca-80 ``turns`` jsonl, instruction records, plain text, or the
+bundled held-out tinyshakespeare text. A prompt is a list of user turns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spectrain.heads.errors import SpectrainError
+
+BUNDLED = "bundled:tinyshakespeare"
+
+
+def load_prompts(spec: str, limit: int | None = None, tokenizer=None, prompt_tokens: int = 64) -> list[list[str]]:
+    """Prompts as lists of turns.
+
+    ``bundled:tinyshakespeare`` cuts the held-out split into consecutive pieces of ``prompt_tokens`` tokens
+    (needs ``tokenizer``); ``.jsonl``/``.json`` rows use ``turns``, ``instruction`` (+ ``input``), ``prompt`` or
+    ``text``; any other file gives one prompt per blank-line-separated paragraph.
+    """
+    if spec == BUNDLED:
+        return _bundled(limit or 20, tokenizer, prompt_tokens)
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise SpectrainError(f"prompts file not found: {path}")
+    text = path.read_text(encoding="utf-8", errors="strict") if path.stat().st_size else ""
+    if not text.strip():
+        raise SpectrainError(f"prompts file is empty: {path}")
+    if path.suffix in (".jsonl", ".json"):
+        prompts = [_turns(row, path, i) for i, row in enumerate(_rows(text, path))]
+    else:
+        prompts = [[p.strip()] for p in text.split("\n\n") if p.strip()]
+    if not prompts:
+        raise SpectrainError(f"no prompts in {path}")
+    return prompts[:limit] if limit else prompts
+
+
+def _rows(text: str, path: Path) -> list:
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpectrainError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(rows, list):
+            raise SpectrainError(f"{path}: expected a JSON list of prompt records")
+        return rows
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise SpectrainError(f"{path}, line {n}: not valid JSON") from None
+    return rows
+
+
+def _turns(row, path: Path, i: int) -> list[str]:
+    if isinstance(row, str):
+        return [row]
+    if not isinstance(row, dict):
+        raise SpectrainError(f"{path}, record {i}: expected an object, got {type(row).__name__}")
+    if isinstance(row.get("turns"), list) and row["turns"]:
+        return [str(t) for t in row["turns"]]
+    if row.get("instruction"):
+        extra = row.get("input") or ""
+        return [row["instruction"] + ("\n\n" + extra if extra else "")]
+    for key in ("prompt", "question", "text"):
+        if isinstance(row.get(key), str) and row[key].strip():
+            return [row[key]]
+    raise SpectrainError(f"{path}, record {i}: no prompt field (turns, instruction, prompt, question or text); "
+                         f"keys: {sorted(row)}")
+
+
+def _bundled(limit: int, tokenizer, prompt_tokens: int) -> list[list[str]]:
+    from spectrain.data.bundled import bundled_text_path, split_text
+
+    if tokenizer is None:
+        raise SpectrainError("bundled prompts need the verifier's tokenizer")
+    _, held_out = split_text(bundled_text_path().read_text())
+    ids = tokenizer(held_out, add_special_tokens=False)["input_ids"]
+    stride = max(prompt_tokens, len(ids) // max(limit, 1))
+    pieces = [ids[s:s + prompt_tokens] for s in range(0, len(ids) - prompt_tokens, stride)][:limit]
+    return [[tokenizer.decode(p)] for p in pieces]
