@@ -291,7 +291,8 @@ def _loss_checks(results: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Peak memory and tokens/s of Medusa training on the CPU "
+    p = argparse.ArgumentParser(prog="python -m spectrain.train.bench_memory",
+                                description="Peak memory and tokens/s of Medusa training on the CPU "
                                             "(chunked vs unchunked loss x per-head vs shared lm_head).")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration, after 1 warm-up step")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON summary path")

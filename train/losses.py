@@ -38,7 +38,7 @@ def projected_cross_entropy(
     teacher_states: torch.Tensor | None = None,
     teacher_weight: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
-    chunk_size: int | None = 1024,
+    chunk_size: int | None = 256,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``states @ weight.T (+ bias)`` over rows, without keeping full logits.
 

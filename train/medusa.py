@@ -47,7 +47,7 @@ class MedusaModule(DrafterModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
-        loss_chunk_size: Optional[int] = 1024,
+        loss_chunk_size: Optional[int] = 256,
     ):
         if num_heads < 1:
             raise SpectrainError(f"model.num_heads must be >= 1, got {num_heads}")
