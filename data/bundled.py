@@ -93,7 +93,11 @@ def bundled_verifier_dir(name: str = "tinyshakespeare") -> Path:
     return cache_root() / "verifiers" / f"{name}-llama-v{recipe.version}"
 
 
-def ensure_bundled_verifier(name: str = "tinyshakespeare", force: bool = False, log=print) -> Path:
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def ensure_bundled_verifier(name: str = "tinyshakespeare", force: bool = False, log=_log) -> Path:
     """Return the bundled verifier's directory, building it first if it is not cached."""
     if name not in RECIPES:
         raise SpectrainError(f"unknown bundled verifier {name!r}; available: {sorted(RECIPES)}")
@@ -148,7 +152,7 @@ def held_out_cross_entropy(model, val_ids: torch.Tensor, block_size: int, batch_
     return total / y.numel()
 
 
-def build_tiny_verifier(out_dir: Path, recipe: TinyVerifierRecipe, log=print) -> dict:
+def build_tiny_verifier(out_dir: Path, recipe: TinyVerifierRecipe, log=_log) -> dict:
     """Train the tokenizer and the Llama verifier on the training split; save both in ``out_dir``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -24,7 +24,7 @@ from .accept import Sampling
 from .calibrate import medusa_diagnostics
 from .costs import draft_cost, plan, probe_state, verify_cost
 from .decode import Generation, generate
-from .drafters import Drafter, MedusaDrafter, ModelDrafter, NgramDrafter, truncated_verifier
+from .drafters import Drafter, DynamicTreeDrafter, MedusaDrafter, ModelDrafter, NgramDrafter, truncated_verifier
 from .prompts import BUNDLED, load_prompts
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree, expected_accept_length
@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree", default=None,
                    help="static tree: JSON list of rank paths (inline or file), or auto:N for the best N-node tree "
                         "from measured per-head rank accuracies (Medusa)")
+    p.add_argument("--dynamic_tree", default=None, metavar="DEPTH,TOPK,BUDGET",
+                   help="also evaluate an EAGLE-2-style dynamic tree (draft-model / truncated methods)")
     p.add_argument("--prompts", default=BUNDLED, help="MT-bench/Alpaca turns jsonl, json, text file, or bundled")
     p.add_argument("--num_prompts", type=int, default=20)
     p.add_argument("--prompt_tokens", type=int, default=64, help="prompt length for bundled text prompts")
@@ -99,18 +101,31 @@ def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
         else:
             tree = Tree.load(args.tree)
             trees[f"tree-{tree.size}"] = tree
+    if args.dynamic_tree:
+        if args.method not in ("draft-model", "truncated"):
+            raise SpectrainError("--dynamic_tree needs a drafter that drafts autoregressively (draft-model, truncated)")
+        try:
+            depth, topk, budget = (int(x) for x in args.dynamic_tree.split(","))
+        except ValueError:
+            raise SpectrainError(f"--dynamic_tree takes DEPTH,TOPK,BUDGET, got {args.dynamic_tree!r}") from None
+        trees[f"dynamic-{depth}x{topk}-{budget}"] = Tree.chain(depth)  # depth sizes the metrics
     if args.method != "none" and not trees:
         raise SpectrainError("nothing to evaluate: give --k > 0 and/or --tree")
     for name, tree in trees.items():
         if drafter_heads is not None and tree.max_depth > drafter_heads.config.num_heads:
             raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter has "
                                  f"{drafter_heads.config.num_heads} heads")
-        if args.method in ("ngram", "draft-model", "truncated") and not tree.is_chain:
+        if args.method in ("ngram", "draft-model", "truncated") and not tree.is_chain and not name.startswith("dynamic"):
             raise SpectrainError(f"--method {args.method} drafts chains only; drop --tree")
     return trees
 
 
-def build_drafter(args, tree: Tree, verifier, heads, max_len: int) -> Drafter:
+def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "") -> Drafter:
+    if name.startswith("dynamic"):
+        depth, topk, budget = (int(x) for x in args.dynamic_tree.split(","))
+        model = (truncated_verifier(verifier.model, args.draft_layers) if args.method == "truncated"
+                 else load_verifier(args.draft_model, dtype=args.dtype, device=args.device).model)
+        return DynamicTreeDrafter(model, depth, topk, budget, max_len)
     if args.method == "medusa":
         return MedusaDrafter(heads, verifier.model.get_output_embeddings(), tree)
     if args.method == "ngram":
@@ -240,11 +255,12 @@ def evaluate(args) -> Path:
     costs = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
     t_verify, t_draft = {}, {}
     for name, tree in trees.items():
-        drafter = build_drafter(args, tree, verifier, heads, max_len)
+        drafter = build_drafter(args, tree, verifier, heads, max_len, name)
         records = run_prompts(runner, drafter, prompts, tokenizer, use_template, args, sampling, eos)
         summary = summarize(records, tree.max_depth)
-        tv, td = verify_cost(runner, tree, len(probe_prompt)), draft_cost(drafter, state)
-        summary.update(tree_size=tree.size, tree_paths=[list(p) for p in tree.paths],
+        shape = tree if drafter.max_nodes == tree.size else Tree.chain(drafter.max_nodes)  # same tokens to verify
+        tv, td = verify_cost(runner, shape, len(probe_prompt)), draft_cost(drafter, state)
+        summary.update(tree_size=drafter.max_nodes, tree_paths=[list(p) for p in tree.paths],
                        speedup=results["ar"]["decode_ms_per_token"] / max(summary["decode_ms_per_token"], 1e-9),
                        ideal_speedup=summary["tau"] * t_decode / (tv + td),
                        identical_to_ar=sampling.greedy and all(
@@ -254,12 +270,12 @@ def evaluate(args) -> Path:
         if calibration is not None and not tree.is_chain:
             summary["expected_accept_length"] = expected_accept_length(tree.paths, calibration["rank_accuracy"])
         costs["settings"][name] = {"t_verify_ms": 1000 * tv, "t_draft_ms": 1000 * td}
-        if tree.is_chain:
+        if tree.is_chain and not name.startswith("dynamic"):
             t_verify[tree.size], t_draft[tree.size] = tv, td
         results[name] = summary
         per_prompt[name] = records
     # Planner: expected speedup for every chain length up to the measured depth.
-    chain = next((results[n] for n, t in trees.items() if t.is_chain), None)
+    chain = next((results[n] for n in trees if n.startswith("chain")), None)
     planner = None
     if chain is not None:
         depth = len(chain["alpha"])

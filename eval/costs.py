@@ -60,6 +60,7 @@ def verify_cost(runner: StaticCausalLM, tree: Tree, context: int, repeats: int =
 def draft_cost(drafter: Drafter, state: DraftState, repeats: int = 10) -> float:
     if drafter.tree.size == 0:
         return 0.0
+    drafter.start(state, None)
     if hasattr(drafter, "runner"):  # model drafters keep a cache: re-propose from the same state each time
         def run():
             drafter.start(state, None)

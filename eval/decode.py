@@ -58,9 +58,9 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
     device = verifier.device
     tree = drafter.tree.to(device)
     n = tree.size
-    need = len(prompt) + max_new_tokens + n + 1
+    need = len(prompt) + max_new_tokens + drafter.max_nodes + 1
     if need > verifier.max_len:
-        raise SpectrainError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + draft ({n + 1}) = {need} "
+        raise SpectrainError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + draft ({drafter.max_nodes + 1}) = {need} "
                              f"tokens exceed the decoder's buffers ({verifier.max_len})")
     if not prompt:
         raise SpectrainError("empty prompt")
@@ -88,6 +88,11 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
     t1 = time.perf_counter()
     while len(out.tokens) < max_new_tokens:
         proposal = drafter.propose(state)
+        if proposal.tree is not None:  # a dynamic tree: this round's structure
+            tree = proposal.tree.to(device)
+            mask_rows = verify_mask_rows(tree)
+            depth_positions = torch.cat([tree.depth.new_zeros(1), tree.depth])
+            n = tree.size
         ids = torch.cat([state.tokens[state.length - 1:state.length], proposal.tokens])
         base = verifier.length
         hidden = verifier.forward(ids, positions=base + depth_positions, mask=verifier.tree_mask(mask_rows))

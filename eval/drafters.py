@@ -37,6 +37,7 @@ class DraftState:
 class Proposal:
     tokens: torch.Tensor  # (n,) one per tree node
     probs: torch.Tensor | None = None  # (n, V) for sampled chain drafts
+    tree: Tree | None = None  # this round's tree, for drafters whose tree changes every round
 
 
 class Drafter:
@@ -46,6 +47,11 @@ class Drafter:
 
     def __init__(self, tree: Tree | None = None):
         self.tree = tree if tree is not None else Tree.chain(0)
+
+    @property
+    def max_nodes(self) -> int:
+        """Most candidate nodes a round can propose (sizes the verify buffers)."""
+        return self.tree.size
 
     def start(self, state: DraftState, verifier: StaticCausalLM) -> None:
         """Called after the verifier's prefill of a new prompt."""
@@ -181,3 +187,76 @@ def truncated_verifier(model, num_layers: int):
              if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
     draft.load_state_dict(state, assign=True, strict=False)  # assign: share the verifier's tensors
     return draft.to(param.device).eval().requires_grad_(False)
+
+
+class DynamicTreeDrafter(ModelDrafter):
+    """EAGLE-2-style dynamic tree from an autoregressive draft model.
+
+    Each round: expand the ``topk`` best frontier nodes by their ``topk`` children for ``depth`` steps (one
+    draft forward per depth for the whole frontier, through a tree mask over scratch cache slots), score
+    every node by its cumulative log-probability, and keep the best ``budget`` nodes. A child never scores
+    above its parent, so the kept set is closed under ancestors: a tree. Drafts are deterministic (top-k),
+    so acceptance uses the multi-candidate rule at any temperature.
+    """
+
+    name = "draft-model-dynamic-tree"
+
+    def __init__(self, model, depth: int, topk: int, budget: int, max_len: int):
+        if depth < 1 or topk < 1 or budget < 1:
+            raise SpectrainError(f"dynamic tree needs depth, topk and budget >= 1 (got {depth}, {topk}, {budget})")
+        super().__init__(model, k=depth, max_len=max_len + depth * topk)
+        self.depth, self.topk, self.budget = depth, topk, budget
+        # Verify shapes are fixed by the budget; each proposal carries its own tree of exactly that size.
+        self.tree = Tree.from_paths([(0,) * d for d in range(1, min(depth, budget) + 1)])
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget
+
+    def propose(self, state: DraftState) -> Proposal:
+        runner = self.runner
+        self._committed = runner.length
+        hidden = runner.forward(self.pending)
+        runner.commit(self.pending.numel())
+        base = runner.length
+        top = torch.log_softmax(runner.logits(hidden[-1]), -1).topk(self.topk)
+        tokens, scores = top.indices.tolist(), top.values.tolist()  # one transfer per depth
+        paths = [(r,) for r in range(self.topk)]
+        index = {p: i for i, p in enumerate(paths)}
+        frontier, slot = list(range(self.topk)), {}
+        for d in range(1, self.depth):
+            frontier = sorted(frontier, key=lambda i: -scores[i])[:self.topk]
+            start = base + len(slot)
+            for j, node in enumerate(frontier):
+                slot[node] = start + j
+            mask = torch.zeros(len(frontier), runner.max_len, dtype=torch.bool, device=runner.device)
+            mask[:, :base] = True
+            for j, node in enumerate(frontier):
+                path = paths[node]
+                for cut in range(1, len(path) + 1):  # the node and its ancestors, all run at earlier depths
+                    mask[j, slot[index[path[:cut]]]] = True
+            runner.length = start
+            out = runner.forward(torch.tensor([tokens[i] for i in frontier], device=runner.device),
+                                 positions=torch.full((len(frontier),), base + d - 1, device=runner.device), mask=mask)
+            child = torch.log_softmax(runner.logits(out), -1).topk(self.topk)
+            child_tokens, child_scores = child.indices.tolist(), child.values.tolist()
+            new_frontier = []
+            for j, node in enumerate(frontier):
+                for r in range(self.topk):
+                    tokens.append(child_tokens[j][r])
+                    scores.append(scores[node] + child_scores[j][r])
+                    paths.append(paths[node] + (r,))
+                    index[paths[-1]] = len(paths) - 1
+                    new_frontier.append(len(tokens) - 1)
+            frontier = new_frontier
+        runner.length = base  # the frontier's K/V were scratch: nothing of the tree stays in the draft cache
+        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], len(paths[i])))[:self.budget]
+        tree = Tree.from_paths([paths[i] for i in keep])
+        by_path = {paths[i]: tokens[i] for i in keep}
+        draft = torch.tensor([by_path[p] for p in tree.paths], dtype=torch.long, device=state.tokens.device)
+        return Proposal(tokens=draft, tree=tree)
+
+    def advance(self, accepted: int, state: DraftState) -> None:
+        keep = self._committed + self.pending.numel()  # only the pending context was committed
+        self.runner.length = keep
+        self.pending = state.tokens[keep:state.length]

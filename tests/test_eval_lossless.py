@@ -11,7 +11,8 @@ import torch
 from spectrain.eval import accept as accept_mod
 from spectrain.eval.accept import Sampling, accept
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import Drafter, MedusaDrafter, ModelDrafter, NgramDrafter, truncated_verifier
+from spectrain.eval.drafters import (Drafter, DynamicTreeDrafter, MedusaDrafter, ModelDrafter, NgramDrafter,
+                                    truncated_verifier)
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from tests.eval_helpers import bigram_verifier, noised_copy, oracle_medusa
@@ -36,7 +37,7 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["medusa-chain", "medusa-tree", "draft-model", "truncated", "ngram"])
+@pytest.mark.parametrize("kind", ["medusa-chain", "medusa-tree", "draft-model", "truncated", "ngram", "dynamic-tree"])
 def test_greedy_spec_equals_ar_and_hf_generate(verifier, kind):
     model, perm = verifier
     runner = StaticCausalLM(model, max_len=128)
@@ -47,6 +48,7 @@ def test_greedy_spec_equals_ar_and_hf_generate(verifier, kind):
         "draft-model": lambda: ModelDrafter(noised_copy(model, 0.8), K, max_len=128),
         "truncated": lambda: ModelDrafter(truncated_verifier(model, 1), K, max_len=128),
         "ngram": lambda: NgramDrafter(K),
+        "dynamic-tree": lambda: DynamicTreeDrafter(noised_copy(model, 0.8), depth=K, topk=2, budget=8, max_len=128),
     }[kind]()
     histogram = collections.Counter()
     for prompt in prompts():
@@ -56,7 +58,7 @@ def test_greedy_spec_equals_ar_and_hf_generate(verifier, kind):
         assert spec.tokens == expected
         assert sum(spec.emitted_per_round) + 1 == len(spec.tokens)  # +1: the prefill's token
         histogram.update(spec.accept_lengths)
-    if kind in ("medusa-chain", "medusa-tree", "draft-model"):
+    if kind in ("medusa-chain", "medusa-tree", "draft-model", "dynamic-tree"):
         assert set(histogram) == set(range(K + 1)), f"rejections, partial and full acceptance all occur: {histogram}"
 
 

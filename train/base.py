@@ -26,6 +26,19 @@ VERIFIER_PREFIX = "verifier."
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
 
 
+def build_optimizer(drafter: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the drafter's trainable weights (no decay on biases and norms).
+
+    Fused where possible: the unfused CPU AdamW allocates W-sized temporaries per parameter, which is the peak
+    of the whole step for per-head lm_heads over a large vocabulary (see train/bench_memory.py); fused is faster too.
+    """
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused or None)
+
+
 class DrafterModule(L.LightningModule):
     """Base for drafters trained on a frozen verifier.
 
@@ -149,13 +162,7 @@ class DrafterModule(L.LightningModule):
 
     # -- optimizer ------------------------------------------------------------------------------------------------
     def configure_optimizers(self):
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        # Fused AdamW: no W-sized temporaries per parameter (the peak-memory step for per-head lm_heads) and faster.
-        fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params)
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95), fused=fused or None)
+        optimizer = build_optimizer(self.drafter, self.lr, self.weight_decay)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: cosine_with_warmup(step, self.warmup_steps, total, self.min_lr_ratio))

@@ -5,7 +5,7 @@ Run: ``python -m spectrain.train.bench_memory [--steps N] [--out PATH]``.
 A random-weight Llama verifier with a realistic vocabulary (hidden 1024, 2 layers,
 vocabulary 128,256, untied embeddings) is built once and saved with a small
 tokenizer into a temporary directory. Then each of four configurations,
-{chunked loss (``loss_chunk_size=1024``), unchunked (``None``)} x {per-head
+{chunked loss (``loss_chunk_size=256``, the default), unchunked (``None``)} x {per-head
 lm_head copies, shared verifier lm_head}, trains 3 Medusa heads (1 ResBlock
 each, target ``greedy``, fp32, batch 2 x 512) for 1 warm-up + N timed steps in
 a subprocess of its own, so its peak RSS is its own.
@@ -56,9 +56,9 @@ SEED, BATCH_SEED = 0, 1234
 
 CONFIGS = {
     # name: (loss_chunk_size, shared_lm_head)
-    "chunked/copies": (1024, False),
+    "chunked/copies": (256, False),
     "unchunked/copies": (None, False),
-    "chunked/shared": (1024, True),
+    "chunked/shared": (256, True),
     "unchunked/shared": (None, True),
 }
 LOSS_RTOL = 1e-4
@@ -136,6 +136,7 @@ def build_verifier(out_dir: Path) -> None:
 def run_one(name: str, verifier_dir: str, steps: int) -> dict:
     import torch
 
+    from .base import build_optimizer
     from .medusa import MedusaModule
 
     chunk, shared = CONFIGS[name]
@@ -144,12 +145,8 @@ def run_one(name: str, verifier_dir: str, steps: int) -> dict:
     module = MedusaModule(verifier=verifier_dir, num_heads=NUM_HEADS, num_layers=NUM_LAYERS, shared_lm_head=shared,
                           target=TARGET, loss_chunk_size=chunk, verifier_dtype="float32")
     module.train()
-    # As DrafterModule.configure_optimizers builds it (without the LR schedule, which costs no memory).
-    params = [p for p in module.drafter.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": module.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=module.lr, betas=(0.9, 0.95))
+    # The optimizer DrafterModule.configure_optimizers uses (without the LR schedule, which costs no memory).
+    opt = build_optimizer(module.drafter, module.lr, module.weight_decay)
     vocab = module.verifier_lm_head.weight.shape[0]
     gen = torch.Generator().manual_seed(BATCH_SEED)
     batch = {"input_ids": torch.randint(0, vocab, (BATCH, SEQ), generator=gen),

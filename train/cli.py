@@ -142,8 +142,20 @@ def train(model_class: type[DrafterModule], default_config: str, args=None) -> P
         model.drafter.load_state_dict(model.drafter_state_from_checkpoint(best))
     trainer.validate(model, datamodule=data, verbose=False)
     model.export(run_dir, extra={"trained_steps": trainer.global_step})
+    close_loggers(trainer)
     summary = build_summary(cli, best, fit_seconds, time.time() - t0)
     return finish(summary, run_dir / "summary.json", tables=summary_tables(summary))
+
+
+def close_loggers(trainer) -> None:
+    """Finish the loggers now, so nothing they print at exit follows the summary path on stdout."""
+    for logger in trainer.loggers:
+        logger.finalize("success")
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
 
 
 def build_summary(cli: SpectrainCLI, best: str, fit_seconds: float, wall_seconds: float) -> dict:

@@ -1,0 +1,98 @@
+"""spectrain-eval end to end on a tiny verifier, and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from spectrain.eval.cli import evaluate, parse_args
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.verifier import load_verifier
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, verifier_factory):
+    root = tmp_path_factory.mktemp("eval")
+    verifier_dir = verifier_factory("llama", False)
+    model = load_verifier(str(verifier_dir)).model
+    MedusaHeads.for_verifier(model, num_heads=3, verifier_name=str(verifier_dir)).save_pretrained(root / "heads")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [f"tell me of the king {i}", "and the queen?"]}) for i in range(2)))
+    return root, verifier_dir, prompts
+
+
+def args_for(setup, *extra):
+    root, verifier_dir, prompts = setup
+    return parse_args(["--verifier", str(verifier_dir), "--drafter", str(root / "heads"), "--prompts", str(prompts),
+                       "--max_new_tokens", "12", "--k", "3", "--hf_generate", "1", "--out", str(root / "out"), *extra])
+
+
+def test_eval_end_to_end(setup):
+    root = setup[0]
+    proc = subprocess.run([sys.executable, "-m", "spectrain.eval.cli", *sys_args(setup, "--tree", "auto:6")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = proc.stdout.strip().splitlines()[-1]
+    assert path.endswith("eval.json")
+    summary = json.loads(open(path).read())
+    results = summary["results"]
+    assert set(results) == {"ar", "chain-3", "tree-6"}
+    for name in ("chain-3", "tree-6"):
+        r = results[name]
+        assert r["identical_to_ar"] is True
+        assert len(r["alpha"]) == (3 if name == "chain-3" else max(len(p) for p in r["tree_paths"]))
+        assert sum(r["accept_histogram"]) == r["verifier_forwards"]
+    # Multi-turn: each prompt has two generated turns, the second longer (it contains the first answer).
+    turns = summary["per_prompt"]["ar"][0]["turns"]
+    assert len(turns) == 2 and turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + turns[0]["new_tokens"] - 1
+    assert summary["hf_generate"]["tokens_per_second"] > 0
+    assert summary["planner"]["chains"] and summary["calibration"]["rank_accuracy"]
+    assert (root / "out" / "alpha.png").is_file() and (root / "out" / "accept_hist.png").is_file()
+    assert "tau" in proc.stdout
+
+
+def sys_args(setup, *extra):
+    root, verifier_dir, prompts = setup
+    return ["--verifier", str(verifier_dir), "--drafter", str(root / "heads"), "--prompts", str(prompts),
+            "--max_new_tokens", "12", "--k", "3", "--hf_generate", "1", "--out", str(root / "out"), *extra]
+
+
+def test_sampled_eval_runs(setup):
+    path = evaluate(args_for(setup, "--temperature", "1.0", "--top_p", "0.9", "--method", "ngram", "--drafter", ""))
+    results = json.loads(path.read_text())["results"]
+    assert results["chain-3"]["tau"] >= 1.0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--prompts", "/nonexistent/prompts.jsonl"], "prompts file not found"),
+    (["--tree", "[[0, 1]]"], "missing"),
+    (["--tree", "[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]"], "4 deep but the drafter has 3 heads"),
+    (["--max_new_tokens", "100000"], "beyond the verifier's context"),
+    (["--method", "ngram", "--drafter", "", "--tree", "[[0], [1]]"], "chains only"),
+])
+def test_bad_input(setup, extra, message):
+    with pytest.raises(SpectrainError, match=message):
+        evaluate(args_for(setup, *extra))
+
+
+def test_empty_prompts_file(setup, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SpectrainError, match="prompts file is empty"):
+        evaluate(args_for(setup, "--prompts", str(empty)))
+
+
+def test_drafter_for_another_verifier(setup, verifier_factory, tmp_path):
+    other = load_verifier(str(verifier_factory("llama", False, hidden=48))).model
+    MedusaHeads.for_verifier(other, num_heads=3).save_pretrained(tmp_path / "wide")
+    with pytest.raises(SpectrainError, match="hidden size 48"):
+        evaluate(args_for(setup, "--drafter", str(tmp_path / "wide")))
+    same_shape = load_verifier(str(setup[1])).model
+    MedusaHeads.for_verifier(same_shape, num_heads=3, verifier_name="org/other-model").save_pretrained(tmp_path / "named")
+    with pytest.raises(SpectrainError, match="trained for verifier 'org/other-model'"):
+        evaluate(args_for(setup, "--drafter", str(tmp_path / "named")))
+    evaluate(args_for(setup, "--drafter", str(tmp_path / "named"), "--allow_verifier_mismatch"))
