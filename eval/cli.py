@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16")
     p.add_argument("--hf_generate", type=int, default=3, help="prompts timed with HF generate() (0: skip)")
+    p.add_argument("--compile", action="store_true",
+                   help="CUDA: capture verifier forwards as CUDA graphs (torch.compile reduce-overhead), and run "
+                        "HF generate() with its static cache compiled too, so the baselines are like for like")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default runs/eval/<method>-<verifier>)")
     p.add_argument("--trust_remote_code", action="store_true")
@@ -189,6 +192,26 @@ def summarize(records: list[dict], depth: int) -> dict:
     }
 
 
+@torch.no_grad()
+def divergences(runner: StaticCausalLM, ar_records: list[dict], spec_records: list[dict]) -> dict:
+    """Where greedy spec and AR outputs differ (near-ties flip in low precision) and the verifier's top-1 vs
+    top-2 logit margin at the first differing token (teacher-forced on the AR sequence)."""
+    cases, turns = [], 0
+    for ra, rs in zip(ar_records, spec_records):
+        for ta, ts in zip(ra["turns"], rs["turns"]):
+            turns += 1
+            first = next((i for i, (a, b) in enumerate(zip(ta["tokens"], ts["tokens"])) if a != b), None)
+            if first is None:
+                continue
+            seq = ta["sequence"][:ta["prompt_tokens"] + first]
+            runner.reset()
+            logits = runner.logits(runner.forward(torch.tensor(seq, device=runner.device))[-1])
+            runner.reset()
+            top2 = logits.topk(2).values
+            cases.append({"prompt": ra["prompt"], "token_index": first, "margin": float(top2[0] - top2[1])})
+    return {"turns": turns, "diverged": len(cases), "cases": cases}
+
+
 def hf_generate_speed(model, tokenizer, prompts, use_template, args, n: int) -> dict | None:
     """HF ``generate()`` tokens/s on the first n prompts (greedy or sampled as configured, warm-up excluded)."""
     if n <= 0:
@@ -198,7 +221,11 @@ def hf_generate_speed(model, tokenizer, prompts, use_template, args, n: int) -> 
     if args.temperature > 0:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
     device = next(model.parameters()).device
-    model.generate(torch.tensor([ids[0]], device=device), **{**kwargs, "max_new_tokens": 4})  # warm-up
+    if args.compile and device.type == "cuda":  # HF's fast path: static cache + compiled forward
+        kwargs["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    for _ in range(2 if args.compile else 1):  # warm-up (and compilation) excluded
+        model.generate(torch.tensor([ids[0]], device=device), **kwargs)
     tokens, seconds = 0, 0.0
     for x in ids:
         if device.type == "cuda":
@@ -235,6 +262,8 @@ def evaluate(args) -> Path:
     turns = max(len(p) for p in prompts)
     max_len = min(context, turns * (longest + args.max_new_tokens + 16) + 80)
     runner = StaticCausalLM(verifier.model, max_len=max_len, device=args.device)
+    if args.compile and runner.static:
+        runner.compile()
 
     t0 = time.time()
     ar_records = run_prompts(runner, Drafter(), prompts, tokenizer, use_template, args, sampling, eos)
@@ -267,6 +296,8 @@ def evaluate(args) -> Path:
                            a["tokens"] == b["tokens"] for ra, rb in zip(ar_records, records)
                            for a, b in zip(ra["turns"], rb["turns"])))
         summary["speedup_vs_ideal"] = summary["speedup"] / max(summary["ideal_speedup"], 1e-9)
+        if sampling.greedy:
+            summary["divergences"] = divergences(runner, ar_records, records)
         if calibration is not None and not tree.is_chain:
             summary["expected_accept_length"] = expected_accept_length(tree.paths, calibration["rank_accuracy"])
         costs["settings"][name] = {"t_verify_ms": 1000 * tv, "t_draft_ms": 1000 * td}

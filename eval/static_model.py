@@ -117,16 +117,41 @@ class StaticCausalLM:
             positions = slots
         if mask is None:
             mask = self.chain_mask(n)
-        span = self.max_len if self.static else self.length + n
-        mask = mask[None, None, :, :span]
+        if self.static:
+            return self._run(input_ids, positions, mask, slots)
+        span = self.length + n  # CPU: attend over the filled part only
+        return self._run_eager(input_ids, positions, mask[:, :span], slots, span)
+
+    def _run_eager(self, input_ids, positions, mask, slots, span):
+        """The forward as a pure function of tensors (CUDA: ``span == max_len``, so shapes depend on n only)."""
         x = self.inner.embed_tokens(input_ids)[None]  # (1, n, H)
         cos, sin = self.inner.rotary_emb(x, positions[None])
         cos, sin = cos[:, None], sin[:, None]  # (1, 1, n, d)
+        mask = mask[None, None]
         for i, layer in enumerate(self.inner.layers):
             x = self._layer(i, layer, x, cos, sin, slots, mask, span)
         return self.inner.norm(x)[0]
 
+    def _run(self, input_ids, positions, mask, slots):
+        return self._graph(input_ids, positions, mask, slots)
+
+    def compile(self) -> "StaticCausalLM":
+        """CUDA: capture the forward with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs, one per n).
+
+        Every input is a tensor and every shape depends only on n, so each verify size is captured once.
+        """
+        self._compiled = torch.compile(lambda ids, pos, mask, slots: self._run_eager(ids, pos, mask, slots, self.max_len),
+                                       mode="reduce-overhead", dynamic=False, fullgraph=False)
+        return self
+
+    def _graph(self, input_ids, positions, mask, slots):
+        fn = getattr(self, "_compiled", None)
+        if fn is None:
+            return self._run_eager(input_ids, positions, mask, slots, self.max_len)
+        return fn(input_ids, positions, mask, slots).clone()  # clone: graph outputs are overwritten by the next replay
+
     def _layer(self, i, layer, x, cos, sin, slots, mask, span):
+        """One decoder layer: attention over the cache through ``mask`` (1, 1, n, span), then the MLP."""
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         shape = (1, x.shape[1], -1, self.head_dim)

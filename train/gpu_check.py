@@ -1,0 +1,187 @@
+"""GPU check: train a ~30M-parameter verifier and its Medusa heads on the GPU, then race AR vs HF ``generate()``
+vs Medusa chain vs Medusa tree (batch 1, bf16, 256 new tokens) and check the targets.
+
+Needs only torch, transformers and safetensors (plus this package installed with ``--no-deps``):
+
+    python -m spectrain.train.gpu_check                 # on a CUDA machine, about 3-4 minutes
+    python -m spectrain.train.gpu_check --small --device cpu   # the same path, tiny sizes (tested in CI)
+
+Targets: our AR loop >= HF static-cache compiled ``generate()`` tokens/s; spec speedup >= 85% of the
+ideal implied by tau and the isolated costs; greedy identity in fp32; bf16 divergences reported with the
+logit margin at the first differing token. Prints a table; the last stdout line is the JSON path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from spectrain.data.bundled import bundled_text_path, split_text, train_tokenizer
+from spectrain.data.text import tokenize_lines
+from spectrain.eval.cli import evaluate, parse_args as eval_args
+from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.report import finish, format_table
+from spectrain.heads.schedule import cosine_with_warmup
+from spectrain.heads.verifier import verifier_features
+
+from .losses import projected_cross_entropy, projected_topk
+
+SIZES = {  # hidden, layers, heads, intermediate, verifier steps, head steps, batch, block
+    "full": (576, 8, 9, 1536, 1500, 600, 64, 256),
+    "small": (64, 2, 2, 128, 30, 20, 8, 64),
+}
+
+
+def batches(ids: torch.Tensor, batch: int, block: int, gen: torch.Generator, device):
+    offsets = torch.arange(block + 1)
+    while True:
+        starts = torch.randint(0, len(ids) - block - 1, (batch,), generator=gen)
+        yield ids[starts[:, None] + offsets].to(device)
+
+
+def autocast(device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def train_verifier(out: Path, size: str, device, log) -> tuple[Path, dict]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, inter, steps, _, batch, block = SIZES[size]
+    train_text, val_text = split_text(bundled_text_path().read_text())
+    tok = train_tokenizer(train_text, 2048)
+    train_ids = torch.tensor(tokenize_lines(tok, train_text.splitlines(keepends=True)))
+    val_ids = torch.tensor(tokenize_lines(tok, val_text.splitlines(keepends=True)))
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    data = batches(train_ids, batch, block, torch.Generator().manual_seed(0), device)
+    t0 = time.time()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = 2e-3 * cosine_with_warmup(step, 50, steps, 0.1)
+        chunk = next(data)
+        with autocast(device):
+            logits = model(input_ids=chunk[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 250 == 0:
+            log(f"verifier step {step}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+    model.eval()
+    with torch.no_grad(), autocast(device):
+        n = (len(val_ids) - 1) // block
+        x = val_ids[:n * block].view(n, block).to(device)
+        y = val_ids[1:n * block + 1].view(n, block).to(device)
+        val_ce = sum(float(torch.nn.functional.cross_entropy(model(input_ids=x[i:i + 32]).logits.float().flatten(0, 1),
+                                                             y[i:i + 32].flatten(), reduction="sum"))
+                     for i in range(0, n, 32)) / y.numel()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    info = {"parameters": sum(p.numel() for p in model.parameters()), "steps": steps, "val_cross_entropy": val_ce,
+            "train_seconds": time.time() - t0}
+    return out, info
+
+
+def train_heads(verifier_dir: Path, out: Path, size: str, device, log) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    _, _, _, _, _, steps, batch, block = SIZES[size]
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model.to(device).eval().requires_grad_(False)
+    heads = MedusaHeads.for_verifier(model, num_heads=4, num_layers=1, verifier_name=str(verifier_dir)).to(device)
+    lm_head = model.get_output_embeddings()
+    train_text, _ = split_text(bundled_text_path().read_text())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(verifier_dir)
+    ids = torch.tensor(tokenize_lines(tok, train_text.splitlines(keepends=True)))
+    data = batches(ids, batch, block, torch.Generator().manual_seed(1), device)
+    opt = torch.optim.AdamW(heads.parameters(), lr=3e-3, betas=(0.9, 0.95), fused=True)
+    t0 = time.time()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = 3e-3 * cosine_with_warmup(step, 20, steps, 0.1)
+        x = next(data)[:, :-1]
+        with torch.no_grad(), autocast(device):
+            hidden, _ = verifier_features(model, x)
+            greedy = projected_topk(hidden, lm_head.weight, k=1)[..., 0]
+        with autocast(device):
+            loss = 0.0
+            for k, state in enumerate(heads.head_states(hidden.float())):  # head k+1 learns greedy[t+k+1]
+                weight, bias = heads.lm_head_params(k, lm_head)
+                rows = state[:, :x.shape[1] - k - 2].reshape(-1, state.shape[-1])
+                loss = loss + 0.8 ** k * projected_cross_entropy(rows, weight, bias,
+                                                                 target_ids=greedy[:, k + 1:-1].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 200 == 0:
+            log(f"heads step {step}/{steps} loss {float(loss):.3f}")
+    heads.float().save_pretrained(out)
+    return {"steps": steps, "train_seconds": time.time() - t0}
+
+
+def main(argv=None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true", help="tiny sizes, for testing the path on a CPU")
+    p.add_argument("--out", default="runs/gpu_check")
+    p.add_argument("--num_prompts", type=int, default=8)
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    args = p.parse_args(argv)
+    size = "small" if args.small else "full"
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    t0 = time.time()
+    verifier_dir, verifier_info = train_verifier(out / "verifier", size, device, log)
+    heads_info = train_heads(verifier_dir, out / "heads", size, device, log)
+    common = ["--verifier", str(verifier_dir), "--drafter", str(out / "heads"), "--device", args.device,
+              "--prompts", "bundled:tinyshakespeare", "--prompt_tokens", "64", "--k", "4"]
+    fast = json.loads(evaluate(eval_args(common + [
+        "--dtype", "bfloat16" if device.type == "cuda" else "float32", "--tree", "auto:32",
+        "--compile", "--num_prompts", str(args.num_prompts), "--max_new_tokens", str(args.max_new_tokens),
+        "--hf_generate", "3", "--out", str(out / "bf16")])).read_text())
+    exact = json.loads(evaluate(eval_args(common + [
+        "--dtype", "float32", "--tree", "auto:32", "--num_prompts", "3", "--max_new_tokens", "64",
+        "--hf_generate", "0", "--out", str(out / "fp32")])).read_text())
+    r, hf = fast["results"], fast["hf_generate"]
+    rows = [["HF generate()" + (" (static, compiled)" if device.type == "cuda" else ""), "-",
+             hf["tokens_per_second"], "-", "-", "-", "-"]]
+    for name, res in r.items():
+        rows.append([name, res["tau"], res["tokens_per_second"], res["decode_ms_per_token"], res.get("speedup", 1.0),
+                     res.get("ideal_speedup", 1.0), res.get("speedup_vs_ideal", 1.0)])
+    checks = {
+        "ar_at_least_hf_generate": r["ar"]["tokens_per_second"] >= hf["tokens_per_second"],
+        "speedup_at_least_85pct_of_ideal": {k: v["speedup_vs_ideal"] >= 0.85 for k, v in r.items() if k != "ar"},
+        "fp32_greedy_identical": {k: v["identical_to_ar"] for k, v in exact["results"].items() if k != "ar"},
+        "bf16_divergences": {k: v.get("divergences") for k, v in r.items() if k != "ar"},
+    }
+    summary = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "date": time.strftime("%Y-%m-%d"), "size": size, "verifier": verifier_info, "heads": heads_info,
+               "bf16": {"results": r, "hf_generate": hf, "costs": fast["costs"], "planner": fast["planner"]},
+               "fp32": {k: {"tau": v["tau"], "identical_to_ar": v.get("identical_to_ar")} for k, v in exact["results"].items()},
+               "checks": checks, "wall_seconds": time.time() - t0}
+    table = format_table(["setting", "tau", "tok/s", "ms/token", "speedup", "ideal", "speedup/ideal"], rows,
+                         title=f"GPU check on {summary['device']}: {verifier_info['parameters'] / 1e6:.1f}M verifier, "
+                               f"batch 1, {args.max_new_tokens} new tokens")
+    return finish(summary, out / "gpu_check.json", tables=[table, json.dumps(checks, indent=1)])
+
+
+if __name__ == "__main__":
+    main()
