@@ -96,3 +96,14 @@ def test_drafter_for_another_verifier(setup, verifier_factory, tmp_path):
     with pytest.raises(SpectrainError, match="trained for verifier 'org/other-model'"):
         evaluate(args_for(setup, "--drafter", str(tmp_path / "named")))
     evaluate(args_for(setup, "--drafter", str(tmp_path / "named"), "--allow_verifier_mismatch"))
+
+
+def test_gpu_check_script_cpu_path(tmp_path):
+    """The GPU check runs end to end on the CPU with tiny sizes (its CUDA numbers need a GPU)."""
+    from spectrain.train.gpu_check import main
+
+    path = main(["--small", "--device", "cpu", "--out", str(tmp_path), "--num_prompts", "2", "--max_new_tokens", "16"])
+    summary = json.loads(path.read_text())
+    assert summary["checks"]["fp32_greedy_identical"] == {"chain-4": True, "tree-32": True}
+    assert set(summary["bf16"]["results"]) == {"ar", "chain-4", "tree-32"}
+    assert summary["bf16"]["hf_generate"]["tokens_per_second"] > 0
