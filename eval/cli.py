@@ -315,9 +315,18 @@ def evaluate(args) -> Path:
                 t_verify[n] = verify_cost(runner, Tree.chain(n), len(probe_prompt))
                 t_draft[n] = draft_cost(build_drafter(args, Tree.chain(n), verifier, heads, max_len), state) \
                     if args.method != "medusa" else t_draft.get(depth, 0.0)
-        planner = plan(chain["alpha"], t_decode, t_verify, t_draft)
-        best = max(planner, key=lambda r: r["expected_speedup"]) if planner else None
-        planner = {"chains": planner, "best_chain": best}
+        planner = {"chains": plan(chain["alpha"], t_decode, t_verify, t_draft)}
+        planner["best_chain"] = max(planner["chains"], key=lambda r: r["expected_speedup"], default=None)
+        planner["measured_chain"] = {"n": args.k, "speedup": chain["speedup"]}
+    if calibration is not None:  # trees of every size from the measured rank accuracies
+        planner = planner or {}
+        planner["trees"] = []
+        for size in (4, 8, 16, 32, 64):
+            tree = build_tree(calibration["rank_accuracy"], size)
+            cost = verify_cost(runner, tree, len(probe_prompt)) + t_draft.get(args.k, 0.0)
+            tau_n = 1 + expected_accept_length(tree.paths, calibration["rank_accuracy"])
+            planner["trees"].append({"n": size, "expected_tau": tau_n, "expected_speedup": tau_n * t_decode / cost})
+        planner["best_tree"] = max(planner["trees"], key=lambda r: r["expected_speedup"])
     hf = hf_generate_speed(verifier.model, tokenizer, prompts, use_template, args, args.hf_generate)
 
     out_dir = Path(args.out or f"runs/eval/{args.method}-{Path(args.verifier.replace(':', '-')).name}")
@@ -358,10 +367,14 @@ def tables(summary: dict) -> list[str]:
                                 [[k + 1, acc[0], sum(acc[:5]), kl, tv] for k, (acc, kl, tv) in
                                  enumerate(zip(cal["rank_accuracy"], cal["kl"], cal["tv"]))],
                                 title="drafter quality on the AR outputs (teacher-forced)"))
-    if summary["planner"]:
-        out.append(format_table(["chain n", "expected tau", "expected speedup"],
-                                [[r["n"], r["expected_tau"], r["expected_speedup"]] for r in summary["planner"]["chains"]],
-                                title="planner (measured alpha and costs)"))
+    planner = summary["planner"] or {}
+    rows = [["chain", r["n"], r["expected_tau"], r["expected_speedup"]] for r in planner.get("chains", [])]
+    rows += [["tree", r["n"], r["expected_tau"], r["expected_speedup"]] for r in planner.get("trees", [])]
+    if rows:
+        best = [planner.get("best_chain"), planner.get("best_tree")]
+        best = max((b for b in best if b), key=lambda r: r["expected_speedup"])
+        out.append(format_table(["kind", "n", "expected tau", "expected speedup"], rows,
+                                title=f"planner (measured alpha, rank accuracies and costs): best n = {best['n']}"))
     return out
 
 
@@ -396,6 +409,29 @@ def write_plots(summary: dict, out_dir: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out_dir / "accept_hist.png", dpi=120)
     paths.append(str(out_dir / "accept_hist.png"))
+    cal, chain = summary.get("calibration"), next((r for k, r in settings.items() if k.startswith("chain")), None)
+    if cal and chain:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for k, (kl, a) in enumerate(zip(cal["kl"], chain["alpha"])):
+            if a is not None:
+                ax.scatter(kl, a)
+                ax.annotate(f"k={k + 1}", (kl, a))
+        ax.set(xlabel="KL(q || p) of head k", ylabel="alpha_k", title="acceptance vs drafter KL")
+        fig.tight_layout()
+        fig.savefig(out_dir / "alpha_vs_kl.png", dpi=120)
+        paths.append(str(out_dir / "alpha_vs_kl.png"))
+    planner = summary.get("planner") or {}
+    if planner.get("chains"):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot([r["n"] for r in planner["chains"]], [r["expected_speedup"] for r in planner["chains"]], "o-",
+                label="expected (planner)")
+        measured = planner["measured_chain"]
+        ax.scatter([measured["n"]], [measured["speedup"]], color="red", zorder=3, label="measured")
+        ax.set(xlabel="chain length N", ylabel="speedup over AR", title="expected vs measured speedup")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "speedup_vs_n.png", dpi=120)
+        paths.append(str(out_dir / "speedup_vs_n.png"))
     plt.close("all")
     return paths
 
