@@ -394,6 +394,7 @@ def write_plots(summary: dict, out_dir: Path) -> list[str]:
     for name, r in settings.items():
         ax.plot(range(1, len(r["alpha"]) + 1), [a if a is not None else float("nan") for a in r["alpha"]], "o-", label=name)
     ax.set(xlabel="draft depth k", ylabel="alpha_k", ylim=(0, 1), title="acceptance by position")
+    ax.set_xticks(range(1, max(len(r["alpha"]) for r in settings.values()) + 1))
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_dir / "alpha.png", dpi=120)

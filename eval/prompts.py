@@ -3,7 +3,6 @@ bundled held-out tinyshakespeare text. A prompt is a list of user turns."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from spectrain.heads.errors import SpectrainError
@@ -27,31 +26,14 @@ def load_prompts(spec: str, limit: int | None = None, tokenizer=None, prompt_tok
     if not text.strip():
         raise SpectrainError(f"prompts file is empty: {path}")
     if path.suffix in (".jsonl", ".json"):
-        prompts = [_turns(row, path, i) for i, row in enumerate(_rows(text, path))]
+        from spectrain.data.chat import load_records  # stdlib-only JSON/JSONL reader with named errors
+
+        prompts = [_turns(row, path, i) for i, row in enumerate(load_records(str(path)))]
     else:
         prompts = [[p.strip()] for p in text.split("\n\n") if p.strip()]
     if not prompts:
         raise SpectrainError(f"no prompts in {path}")
     return prompts[:limit] if limit else prompts
-
-
-def _rows(text: str, path: Path) -> list:
-    if path.suffix == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpectrainError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(rows, list):
-            raise SpectrainError(f"{path}: expected a JSON list of prompt records")
-        return rows
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise SpectrainError(f"{path}, line {n}: not valid JSON") from None
-    return rows
 
 
 def _turns(row, path: Path, i: int) -> list[str]:

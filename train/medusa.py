@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -39,15 +39,7 @@ class MedusaModule(DrafterModule):
         shared_lm_head: bool = False,
         target: Target = "greedy",
         loss_decay: float = 0.8,
-        verifier: str = "bundled:tinyshakespeare",
-        verifier_gguf_file: str | None = None,
-        verifier_dtype: str = "auto",
-        trust_remote_code: bool = False,
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 20,
-        min_lr_ratio: float = 0.1,
-        loss_chunk_size: Optional[int] = 256,
+        **kwargs,
     ):
         if num_heads < 1:
             raise SpectrainError(f"model.num_heads must be >= 1, got {num_heads}")
@@ -57,9 +49,7 @@ class MedusaModule(DrafterModule):
             raise SpectrainError(f"model.target must be ground_truth, greedy or soft, got {target!r}")
         self.num_heads, self.num_layers, self.shared_lm_head = num_heads, num_layers, shared_lm_head
         self.target, self.loss_decay = target, loss_decay
-        super().__init__(verifier=verifier, verifier_gguf_file=verifier_gguf_file, verifier_dtype=verifier_dtype,
-                         trust_remote_code=trust_remote_code, lr=lr, weight_decay=weight_decay,
-                         warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, loss_chunk_size=loss_chunk_size)
+        super().__init__(**kwargs)
 
     def build_drafter(self) -> MedusaHeads:
         return MedusaHeads.for_verifier(self.verifier, self.num_heads, self.num_layers, self.shared_lm_head,
