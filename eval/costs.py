@@ -91,4 +91,4 @@ def probe_state(runner: StaticCausalLM, prompt: list[int], sampling: Sampling) -
     runner.reset()
     hidden = runner.forward(tokens[:len(prompt)])
     runner.reset()
-    return DraftState(tokens=tokens, length=len(prompt), hidden=hidden[-1], sampling=sampling)
+    return DraftState(tokens=tokens, length=len(prompt), hidden=hidden[-1], sampling=sampling, history=list(prompt))

@@ -76,9 +76,10 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
     verifier.commit(len(prompt))
     root = sample(target_probs(verifier.logits(hidden[-1:]), sampling), generator)
     tokens[len(prompt)] = root[0]
-    state = DraftState(tokens=tokens, length=len(prompt) + 1, hidden=hidden[-1], sampling=sampling, generator=generator)
-    drafter.start(state, verifier)
     out = Generation(tokens=[int(root)])  # host sync: the prefill's token
+    state = DraftState(tokens=tokens, length=len(prompt) + 1, hidden=hidden[-1], sampling=sampling, generator=generator,
+                       history=list(prompt) + out.tokens)
+    drafter.start(state, verifier)
     _sync(device)
     out.prefill_seconds = time.perf_counter() - t0
     if out.tokens[0] in eos_ids:
@@ -103,12 +104,12 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         # The round's one host sync: accept length, path, its tokens and the bonus together.
         a, *rest = torch.cat([verdict.accept_length, verdict.path[0], path_tokens, verdict.bonus]).tolist()
         depth = verdict.path.shape[1]
-        path, new = rest[:a], rest[depth:depth + a] + [rest[-1]]
-        slots = [0] + [1 + node for node in path]
+        new = rest[depth:depth + a] + [rest[-1]]
+        last_slot = 1 + rest[a - 1] if a else 0
         if tree.is_chain:
             verifier.commit(1 + a)
-        else:
-            verifier.commit(1 + a, torch.tensor(slots, device=device) + base)
+        else:  # slots of root + path, built on device (a is already on the host)
+            verifier.commit(1 + a, torch.cat([verdict.path.new_zeros(1), verdict.path[0, :a] + 1]) + base)
         room = max_new_tokens - len(out.tokens)
         kept = new[:room]
         for i, t in enumerate(kept):
@@ -121,7 +122,8 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         out.emitted_per_round.append(len(kept))
         tokens[state.length:state.length + a + 1] = torch.cat([path_tokens[:a], verdict.bonus])
         state.length += len(new)
-        state.hidden = hidden[slots[-1]]
+        state.history.extend(new)
+        state.hidden = hidden[last_slot]
         drafter.advance(a, state)
         if out.stop == "eos":
             break

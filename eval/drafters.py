@@ -10,7 +10,7 @@ drafts were accepted (``advance``) so it can roll its own state back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class DraftState:
     hidden: torch.Tensor  # (H,) verifier hidden state that produced the root
     sampling: Sampling
     generator: torch.Generator | None = None
+    history: list[int] = field(default_factory=list)  # the same context on the host (kept by the decoder)
 
 
 @dataclass
@@ -107,16 +108,9 @@ class NgramDrafter(Drafter):
     def __init__(self, k: int, max_ngram: int = 3):
         super().__init__(Tree.chain(k))
         self.k, self.max_ngram = k, max_ngram
-        self.history: list[int] = []
-
-    def start(self, state: DraftState, verifier) -> None:
-        self.history = state.tokens[:state.length].tolist()
-
-    def advance(self, accepted: int, state: DraftState) -> None:
-        self.history = state.tokens[:state.length].tolist()  # one transfer per round, after the round's sync
 
     def propose(self, state: DraftState) -> Proposal:
-        ctx, k = self.history, self.k
+        ctx, k = state.history or state.tokens[:state.length].tolist(), self.k
         for n in range(min(self.max_ngram, len(ctx) - 1), 0, -1):
             suffix = ctx[-n:]
             for start in range(len(ctx) - n - 1, -1, -1):
