@@ -1,0 +1,588 @@
+"""EAGLE drafters: one Llama-style decoder layer over the verifier's features.
+
+Two variants, both for Llama-family verifiers (llama, mistral, qwen2, qwen3):
+
+* ``eagle1`` (EAGLE): the input at position t is ``fc(cat(embed(x_{t+1}), f_t))``, where ``f_t`` is the
+  verifier's last hidden state (after its final norm). The layer has no input norm (EAGLE removes it:
+  ``fc``'s output is the residual stream). The output is the predicted next feature, projected by the
+  verifier's own frozen ``lm_head``.
+* ``eagle3`` (EAGLE-3): ``fc`` fuses several of the verifier's hidden states (``aux_layer_ids``, HF
+  ``hidden_states`` indices) into one h-wide state g. The layer's attention reads
+  ``cat(input_norm(embed(x_{t+1})), hidden_norm(g))`` (2h wide) with g as the residual; the output
+  goes through the drafter's ``norm`` and its own ``lm_head`` over a reduced draft vocabulary whose ids
+  map to the verifier's through ``d2t`` (target id = i + d2t[i]); ``t2d`` marks target ids in it.
+
+Alignment: ``input_ids[:, t]`` is the token *after* the position whose features are ``features[:, t]``
+(x_{t+1} with f_t); the caller shifts, this module never does (except in :meth:`EagleDrafter.ttt_forward`).
+
+The verifier's ``embed_tokens`` and ``lm_head`` are passed in at call time, never registered, so they
+are not in the drafter's ``state_dict`` and never written into its checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import SpectrainError
+from .io import load_tensors, read_json, save_tensors, write_json
+from .medusa import check_compatible
+
+FORMAT_VERSION = 1
+VARIANTS = ("eagle1", "eagle3")
+SUPPORTED_VERIFIERS = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_DRAFT_VOCAB = 32000
+
+EmbedLike = nn.Module | Callable[[torch.Tensor], torch.Tensor] | torch.Tensor
+
+
+# -- configuration ------------------------------------------------------------------------------------------
+def default_aux_layers(num_layers: int) -> list[int]:
+    """HF ``hidden_states`` indices that EAGLE-3 fuses: low, middle and high layers of the verifier.
+
+    ``hidden_states[i]`` is the input of decoder layer i (index 0, the embeddings, is never used), which
+    is what EAGLE-3 captures, so for N >= 7 layers this is EAGLE-3's ``[2, N//2, N-3]``. Smaller
+    verifiers get min(3, N) distinct ids spread evenly over [1, N] (N=6 -> [1, 3, 6], N=2 -> [1, 2],
+    N=1 -> [1]); the drafter's ``fc`` then takes ``len(ids) * hidden`` inputs instead of 3h.
+    """
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise SpectrainError(f"the verifier must have at least one layer, got {num_layers!r}")
+    if num_layers >= 7:
+        return [2, num_layers // 2, num_layers - 3]
+    count = min(3, num_layers)
+    if count == 1:
+        return [1]
+    return sorted({1 + (k * (num_layers - 1)) // (count - 1) for k in range(count)})
+
+
+def _require_int(name: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise SpectrainError(f"EAGLE {name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass
+class EagleConfig:
+    """Shape of an EAGLE drafter and the verifier it was trained for.
+
+    Sizes default to 0, which fails validation: build it with :meth:`for_verifier` or pass them all.
+    ``draft_vocab_size`` (eagle3) defaults to min(vocab_size, 32000); for eagle1 it is the verifier's
+    vocabulary. ``aux_layer_ids`` (eagle3) default to :func:`default_aux_layers`; eagle1 has none.
+    ``rope_scaling`` records the verifier's ``rope_scaling`` / ``rope_parameters`` for exporters; this
+    module itself always uses default RoPE with ``rope_theta`` (the drafter is trained from scratch, so
+    it only has to agree with itself).
+    """
+
+    variant: str = "eagle3"
+    hidden_size: int = 0
+    vocab_size: int = 0
+    draft_vocab_size: int | None = None
+    aux_layer_ids: list[int] | None = None
+    num_hidden_layers: int = 0  # the verifier's, to range-check aux_layer_ids
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    verifier: str = ""
+    method: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise SpectrainError(f"EAGLE variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.method and self.method != self.variant:
+            raise SpectrainError(f"EAGLE config says method {self.method!r} but variant {self.variant!r}")
+        self.method = self.variant
+        for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_heads", "num_kv_heads", "head_dim",
+                    "intermediate_size", "max_position_embeddings"):
+            _require_int(key, getattr(self, key))
+        if self.head_dim % 2:
+            raise SpectrainError(f"EAGLE head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise SpectrainError(f"EAGLE num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                                 f"({self.num_kv_heads})")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise SpectrainError(f"EAGLE rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps!r} and "
+                                 f"{self.rope_theta!r}")
+        self._init_draft_vocab()
+        self._init_aux_layers()
+
+    def _init_draft_vocab(self) -> None:
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = (self.vocab_size if self.variant == "eagle1"
+                                     else min(self.vocab_size, DEFAULT_DRAFT_VOCAB))
+        _require_int("draft_vocab_size", self.draft_vocab_size)
+        if self.draft_vocab_size > self.vocab_size:
+            raise SpectrainError(f"EAGLE draft_vocab_size {self.draft_vocab_size} exceeds the verifier's vocabulary "
+                                 f"of {self.vocab_size}")
+        if self.variant == "eagle1" and self.draft_vocab_size != self.vocab_size:
+            raise SpectrainError("eagle1 predicts through the verifier's lm_head: its draft_vocab_size must equal "
+                                 f"vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
+
+    def _init_aux_layers(self) -> None:
+        if self.variant == "eagle1":
+            if self.aux_layer_ids:
+                raise SpectrainError(f"eagle1 reads only the verifier's last hidden state; aux_layer_ids "
+                                     f"{self.aux_layer_ids} are for eagle3")
+            self.aux_layer_ids = []
+            return
+        if self.aux_layer_ids is None:
+            self.aux_layer_ids = default_aux_layers(self.num_hidden_layers)
+        ids = list(self.aux_layer_ids)
+        if not ids:
+            raise SpectrainError("eagle3 needs at least one aux layer id")
+        bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 1 <= i <= self.num_hidden_layers]
+        if bad:
+            raise SpectrainError(f"EAGLE aux_layer_ids {ids}: {bad} outside [1, {self.num_hidden_layers}] (HF "
+                                 "hidden_states indices; 0 is the embeddings)")
+        if len(set(ids)) != len(ids):
+            raise SpectrainError(f"EAGLE aux_layer_ids {ids} repeat a layer")
+        self.aux_layer_ids = ids
+
+    @property
+    def fused_width(self) -> int:
+        """Width of ``fc``'s input: 2h (embedding + feature) for eagle1, len(aux) * h for eagle3."""
+        if self.variant == "eagle1":
+            return 2 * self.hidden_size
+        return len(self.aux_layer_ids) * self.hidden_size
+
+    @classmethod
+    def for_verifier(cls, verifier_model, variant: str = "eagle3", draft_vocab_size: int | None = None,
+                     aux_layer_ids: list[int] | None = None, verifier_name: str = "") -> "EagleConfig":
+        """A config whose decoder layer is shaped like one of ``verifier_model``'s (HF causal LM)."""
+        vc = verifier_model.config
+        if vc.model_type not in SUPPORTED_VERIFIERS:
+            raise SpectrainError(f"EAGLE drafters support {', '.join(SUPPORTED_VERIFIERS)} verifiers, "
+                                 f"not {vc.model_type!r}")
+        vocab, hidden = verifier_model.get_output_embeddings().weight.shape
+        heads = vc.num_attention_heads
+        rope = getattr(vc, "rope_parameters", None) or getattr(vc, "rope_scaling", None)
+        theta = (rope or {}).get("rope_theta") or getattr(vc, "rope_theta", None) or 10000.0
+        return cls(
+            variant=variant, hidden_size=hidden, vocab_size=vocab, draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else None,
+            num_hidden_layers=vc.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(vc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(vc, "head_dim", None) or hidden // heads, intermediate_size=vc.intermediate_size,
+            rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            rope_scaling=dict(rope) if rope else None, max_position_embeddings=vc.max_position_embeddings,
+            verifier=verifier_name,
+        )
+
+
+# -- the decoder layer --------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: variance in fp32, then the weight multiplies the input-dtype result."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., h) -> (..., h)."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default RoPE tables for (B, T) positions -> cos, sin, each (B, 1, T, head_dim).
+
+    Frequencies are computed on the fly in fp32 rather than held in a buffer, so ``module.to(bf16)``
+    cannot round them and nothing RoPE-related enters the state dict.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # (B, T, d/2)
+    emb = torch.cat((angles, angles), dim=-1)[:, None]  # Llama's half-split layout
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(B, heads, T, d) rotated by (B, 1, T, d) tables."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class EagleAttention(nn.Module):
+    """Llama attention (no biases, GQA) over this call's keys plus optional cached ones."""
+
+    def __init__(self, in_width: int, config: EagleConfig):
+        super().__init__()
+        d = config.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(in_width, config.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(in_width, config.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(in_width, config.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * d, config.hidden_size, bias=False)
+
+    def _heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, in) -> (B, heads, T, d)."""
+        return proj(x).view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, cos, sin, mask, past_k=None, past_v=None):
+        """x (B, T, in); mask (B|1, 1, T, S) bool, True = may attend, S = past + T.
+
+        Returns (out (B, T, h), k, v): k/v are this call's (B, kv_heads, T, d), k already rotated, so a
+        caller caches them by concatenating along dim 2.
+        """
+        q = apply_rotary(self._heads(self.q_proj, x), cos, sin)
+        k = apply_rotary(self._heads(self.k_proj, x), cos, sin)
+        v = self._heads(self.v_proj, x)
+        keys = k if past_k is None else torch.cat((past_k, k), dim=2)
+        values = v if past_v is None else torch.cat((past_v, v), dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)), k, v
+
+
+class SwiGLU(nn.Module):
+    """Llama MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EagleDecoderLayer(nn.Module):
+    """A Llama decoder layer, with EAGLE's input changes (submodule names follow HF Llama's).
+
+    eagle1: ``x`` is (B, T, h); no input norm (Identity), the residual is ``x``.
+    eagle3: ``x`` is (B, T, 2h) = ``cat(embed, hidden)``; attention reads
+    ``cat(input_layernorm(embed), hidden_norm(hidden))`` (q/k/v take 2h inputs); the residual is ``hidden``.
+    Then, in both, ``x + mlp(post_attention_layernorm(x))``.
+    """
+
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.hidden_size = h
+        self.fused_input = config.variant == "eagle3"
+        if self.fused_input:
+            self.input_layernorm = RMSNorm(h, eps)
+            self.hidden_norm = RMSNorm(h, eps)
+        else:
+            self.input_layernorm = nn.Identity()  # EAGLE drops it: fc's output is already the residual stream
+        self.self_attn = EagleAttention(2 * h if self.fused_input else h, config)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = SwiGLU(h, config.intermediate_size)
+
+    def forward(self, x, cos, sin, mask, past_k=None, past_v=None):
+        """See the class docstring for ``x``; cos/sin (B, 1, T, d); mask (B|1, 1, T, S) bool.
+
+        Returns (out (B, T, h), k, v) with k, v this call's (B, kv_heads, T, d).
+        """
+        if self.fused_input:
+            embed, residual = x.split(self.hidden_size, dim=-1)
+            attn_in = torch.cat((self.input_layernorm(embed), self.hidden_norm(residual)), dim=-1)
+        else:
+            residual = attn_in = self.input_layernorm(x)
+        attn_out, k, v = self.self_attn(attn_in, cos, sin, mask, past_k, past_v)
+        x = residual + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+# -- masks and the draft vocabulary -------------------------------------------------------------------------
+def causal_mask(T: int, S: int, device=None) -> torch.Tensor:
+    """(T, S) bool: query t (the last T of S positions) sees keys 0 .. S - T + t."""
+    return torch.arange(S, device=device)[None, :] <= (S - T) + torch.arange(T, device=device)[:, None]
+
+
+def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
+    """(T, T * (step + 1)) bool mask of training-time-test step ``step`` over keys ordered step-major.
+
+    Query t sees the step-0 keys at positions <= t (causal) and, for each step 1..step, only that
+    step's key at its own position t: later steps continue t's own draft chain, not other positions'.
+    """
+    blocks = [causal_mask(T, T, device)] + [torch.eye(T, dtype=torch.bool, device=device)] * step
+    return torch.cat(blocks, dim=1)
+
+
+def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft vocabulary: the ``draft_vocab_size`` most frequent tokens (ties: lower id first).
+
+    Args:
+        token_counts: (V,) occurrences of each verifier token id in the training data.
+    Returns:
+        d2t (D,) int64 with ``target_id = i + d2t[i]`` (draft ids sorted by target id), and
+        t2d (V,) bool, True for target ids in the draft vocabulary.
+    """
+    counts = torch.as_tensor(token_counts).flatten()
+    vocab = counts.numel()
+    _require_int("draft_vocab_size", draft_vocab_size)
+    if draft_vocab_size > vocab:
+        raise SpectrainError(f"draft_vocab_size {draft_vocab_size} exceeds the {vocab} token counts given")
+    # A stable sort keeps equal counts in id order, which is the tie-break.
+    order = torch.sort(counts.double(), descending=True, stable=True).indices
+    chosen = order[:draft_vocab_size].sort().values.to(torch.int64)
+    d2t = chosen - torch.arange(draft_vocab_size, dtype=torch.int64)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t, t2d
+
+
+def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> None:
+    """Raise unless d2t/t2d describe ``draft_vocab_size`` distinct target ids, ascending, marked in t2d."""
+    if d2t.shape != (draft_vocab_size,) or d2t.dtype != torch.int64:
+        raise SpectrainError(f"d2t must be int64 of shape ({draft_vocab_size},), got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.shape != (vocab_size,) or t2d.dtype != torch.bool:
+        raise SpectrainError(f"t2d must be bool of shape ({vocab_size},), got {t2d.dtype} {tuple(t2d.shape)}")
+    target = torch.arange(draft_vocab_size, device=d2t.device) + d2t
+    if target.min() < 0 or target.max() >= vocab_size or (target.diff() <= 0).any():
+        raise SpectrainError("d2t must map draft ids to ascending, distinct target ids in the verifier's vocabulary")
+    if int(t2d.sum()) != draft_vocab_size or not t2d[target.to(t2d.device)].all():
+        raise SpectrainError("t2d must mark exactly the target ids that d2t maps to")
+
+
+def _embed(embed_tokens: EmbedLike, input_ids: torch.Tensor) -> torch.Tensor:
+    """The verifier's embedding of (B, T) ids -> (B, T, h); a module/callable or its (V, h) weight."""
+    if isinstance(embed_tokens, torch.Tensor):
+        return F.embedding(input_ids, embed_tokens)
+    return embed_tokens(input_ids)
+
+
+def _shift_left(input_ids: torch.Tensor, shift: int, pad_id: int) -> torch.Tensor:
+    """(B, T) -> (B, T): position t holds ``input_ids[:, t + shift]``; the last ``shift`` are ``pad_id``."""
+    if shift == 0:
+        return input_ids
+    out = torch.full_like(input_ids, pad_id)
+    out[:, :-shift] = input_ids[:, shift:]
+    return out
+
+
+# -- the drafter --------------------------------------------------------------------------------------------
+class EagleDrafter(nn.Module):
+    """An EAGLE-1 or EAGLE-3 drafter: ``fc`` + one :class:`EagleDecoderLayer` (+ eagle3's norm and lm_head).
+
+    State dict: ``fc``, ``layer.*`` and, for eagle3, ``norm``, ``lm_head`` (D, h), ``d2t`` (D,) int64 and
+    ``t2d`` (V,) bool. The verifier's embeddings and lm_head are arguments, never attributes.
+    """
+
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(config.fused_width, h, bias=False)
+        self.layer = EagleDecoderLayer(config)
+        if config.variant == "eagle3":
+            self.norm = RMSNorm(h, config.rms_norm_eps)
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+            # Identity map over the first D ids until set_vocab_map() installs the frequency-based one.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.config.variant == "eagle3"
+
+    @classmethod
+    def for_verifier(cls, verifier_model, variant: str = "eagle3", draft_vocab_size: int | None = None,
+                     aux_layer_ids: list[int] | None = None, token_counts: torch.Tensor | None = None,
+                     verifier_name: str = "") -> "EagleDrafter":
+        """A float32 drafter shaped for ``verifier_model``; eagle3's vocabulary map from ``token_counts`` (V,)."""
+        config = EagleConfig.for_verifier(verifier_model, variant, draft_vocab_size, aux_layer_ids, verifier_name)
+        drafter = cls(config).to(dtype=torch.float32)
+        if token_counts is not None:
+            drafter.set_vocab_map(*build_vocab_map(token_counts, config.draft_vocab_size))
+        return drafter
+
+    # -- draft vocabulary (eagle3) ------------------------------------------------------------------------
+    def _require_eagle3(self, what: str) -> None:
+        if not self.is_eagle3:
+            raise SpectrainError(f"{what} is for eagle3 drafters; eagle1 predicts over the verifier's vocabulary")
+
+    @torch.no_grad()
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a map from :func:`build_vocab_map` (validated)."""
+        self._require_eagle3("a draft vocabulary map")
+        check_vocab_map(d2t, t2d, self.config.vocab_size, self.config.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids (any shape) -> the verifier's token ids."""
+        self._require_eagle3("draft_to_target")
+        return ids + self.d2t[ids]
+
+    def target_to_draft(self, ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Verifier ids (any shape) -> draft ids; ``ignore_index`` where the token is not in the draft vocabulary.
+
+        Draft ids are sorted by target id, so a target's draft id is the count of marked ids before it.
+        """
+        self._require_eagle3("target_to_draft")
+        draft_index = torch.cumsum(self.t2d.to(torch.int64), 0) - 1
+        return torch.where(self.t2d[ids], draft_index[ids], torch.full_like(ids, ignore_index))
+
+    @torch.no_grad()
+    def init_lm_head_from(self, verifier_lm_head: nn.Linear) -> None:
+        """Start eagle3's ``lm_head`` from the verifier's rows of the draft tokens (optional warm start)."""
+        self._require_eagle3("init_lm_head_from")
+        rows = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+        self.lm_head.weight.copy_(verifier_lm_head.weight[rows.to(verifier_lm_head.weight.device)])
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """eagle3: (B, T, len(aux_layer_ids) * h) concatenated verifier states -> (B, T, h)."""
+        self._require_eagle3("fuse")
+        if aux.shape[-1] != self.config.fused_width:
+            raise SpectrainError(f"eagle3 expects the {len(self.config.aux_layer_ids)} aux hidden states "
+                                 f"{self.config.aux_layer_ids} concatenated ({self.config.fused_width} wide), "
+                                 f"got width {aux.shape[-1]}")
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def forward(self, input_ids, features, embed_tokens: EmbedLike, position_ids=None, attn_mask=None,
+                past_kv=None):
+        """One drafter pass.
+
+        Args:
+            input_ids: (B, T) ids; ``input_ids[:, t]`` is the token after the position of ``features[:, t]``.
+            features: eagle1: (B, T, h) verifier last hidden states; eagle3: (B, T, len(aux) * h) the raw
+                concatenated aux states (``fc`` is applied here).
+            embed_tokens: the verifier's frozen ``embed_tokens`` (module, callable or (V, h) weight).
+            position_ids: (B, T) rotary positions; default ``past + arange(T)``.
+            attn_mask: (B|1, 1, T, past + T) bool, True = may attend; default causal.
+            past_kv: (k, v) cached keys/values, each (B, kv_heads, past, head_dim), or None.
+        Returns:
+            hidden (B, T, h) (eagle3: before the final norm) and this call's (k, v), each
+            (B, kv_heads, T, head_dim), to append to a cache.
+        """
+        hidden = self.fuse(features) if self.is_eagle3 else features
+        return self.forward_hidden(input_ids, hidden, embed_tokens, position_ids, attn_mask, past_kv)
+
+    def forward_hidden(self, input_ids, hidden, embed_tokens: EmbedLike, position_ids=None, attn_mask=None,
+                       past_kv=None):
+        """:meth:`forward` with an h-wide hidden input: eagle1's features, or eagle3's fused state.
+
+        eagle3 draft steps after the first feed the drafter's own previous output here (not fused aux).
+        Shapes as in :meth:`forward`, with ``hidden`` (B, T, h).
+        """
+        B, T = input_ids.shape
+        if hidden.shape != (B, T, self.config.hidden_size):
+            raise SpectrainError(f"expected hidden input of shape {(B, T, self.config.hidden_size)}, "
+                                 f"got {tuple(hidden.shape)}")
+        past_k, past_v = past_kv if past_kv is not None else (None, None)
+        past = 0 if past_k is None else past_k.shape[2]
+        device = input_ids.device
+        if position_ids is None:
+            position_ids = (past + torch.arange(T, device=device)).expand(B, T)
+        if attn_mask is None:
+            attn_mask = causal_mask(T, past + T, device)[None, None]
+        if attn_mask.dtype != torch.bool or attn_mask.shape[-2:] != (T, past + T):
+            raise SpectrainError(f"attn_mask must be bool (B, 1, {T}, {past + T}), got {attn_mask.dtype} "
+                                 f"{tuple(attn_mask.shape)}")
+        dtype = self.fc.weight.dtype
+        embeds = _embed(embed_tokens, input_ids).to(dtype)
+        hidden = hidden.to(dtype)
+        x = torch.cat((embeds, hidden), -1) if self.is_eagle3 else self.fc(torch.cat((embeds, hidden), -1))
+        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+        out, k, v = self.layer(x, cos, sin, attn_mask, past_k, past_v)
+        return out, (k, v)
+
+    def logits(self, hidden: torch.Tensor, verifier_lm_head: nn.Module | None = None) -> torch.Tensor:
+        """(..., h) drafter output -> eagle3: (..., draft_vocab) via norm + own lm_head;
+        eagle1: (..., V) via the verifier's ``lm_head`` (required)."""
+        if self.is_eagle3:
+            return self.lm_head(self.norm(hidden))
+        if verifier_lm_head is None:
+            raise SpectrainError("eagle1 drafters predict through the verifier's lm_head: pass it as verifier_lm_head")
+        return verifier_lm_head(hidden.to(verifier_lm_head.weight.dtype))
+
+    # -- EAGLE-3 training-time test -------------------------------------------------------------------------
+    def ttt_hidden(self, input_ids, aux, embed_tokens: EmbedLike, steps: int = 1, pad_id: int = 0) -> list[torch.Tensor]:
+        """Training-time test: ``steps`` chained draft steps over a whole (right-padded) sequence at once.
+
+        Step 0 is the causal :meth:`forward`. At step i >= 1, position t reads the ground-truth token
+        ``input_ids[:, t + i]`` (``pad_id`` past the end) and, as its hidden input, its own step-(i-1)
+        output; it attends to the step-0 keys at positions <= t and to the keys of steps 1..i at position t
+        (:func:`ttt_mask`). Rotary position at step i is t + i: the token position the step drafts at, as
+        at decode time (and as SpecForge does).
+
+        Args:
+            input_ids: (B, T) aligned as in :meth:`forward`; aux: (B, T, len(aux) * h).
+        Returns:
+            ``steps`` hidden states (B, T, h), before the final norm (apply :meth:`logits` or a chunked loss).
+        """
+        self._require_eagle3("ttt_forward")
+        _require_int("steps", steps)
+        B, T = input_ids.shape
+        base = torch.arange(T, device=input_ids.device).expand(B, T)
+        hidden = self.fuse(aux)
+        keys, values, outs = [], [], []
+        for step in range(steps):
+            past_kv = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
+            hidden, (k, v) = self.forward_hidden(
+                _shift_left(input_ids, step, pad_id), hidden, embed_tokens, position_ids=base + step,
+                attn_mask=ttt_mask(T, step, input_ids.device)[None, None], past_kv=past_kv)
+            keys.append(k)
+            values.append(v)
+            outs.append(hidden)
+        return outs
+
+    def ttt_forward(self, input_ids, aux, embed_tokens: EmbedLike, steps: int = 1, pad_id: int = 0) -> list[torch.Tensor]:
+        """:meth:`ttt_hidden` projected: ``steps`` logits tensors (B, T, draft_vocab)."""
+        return [self.logits(h) for h in self.ttt_hidden(input_ids, aux, embed_tokens, steps, pad_id)]
+
+    # -- our checkpoint format: model.safetensors + config.json, drafter weights only ------------------------
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write ``model.safetensors`` then ``config.json``, each atomically; config last marks completeness."""
+        out_dir = Path(out_dir)
+        save_tensors(out_dir / "model.safetensors", self.state_dict(),
+                     metadata={"format": "pt", "method": self.config.variant})
+        write_json(out_dir / "config.json", asdict(self.config))
+        return out_dir
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, verifier_model=None, device: str | torch.device = "cpu") -> "EagleDrafter":
+        """Load a drafter saved by :meth:`save_pretrained`; check it against ``verifier_model`` when given."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise SpectrainError(f"not a spectrain drafter directory (no config.json): {path}")
+        raw = read_json(path / "config.json", "drafter config")
+        if raw.get("method") not in VARIANTS:
+            raise SpectrainError(f"{path} holds a {raw.get('method')!r} drafter, not an EAGLE one")
+        config = EagleConfig(**{k: v for k, v in raw.items() if k in EagleConfig.__dataclass_fields__})
+        if verifier_model is not None:
+            _check_verifier(config, verifier_model, str(path))
+        drafter = cls(config)
+        state = load_tensors(path / "model.safetensors")
+        expected = drafter.state_dict()
+        if set(state) != set(expected):
+            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+            raise SpectrainError(f"{path}/model.safetensors does not match its config: missing {missing[:4]}, "
+                                 f"unexpected {extra[:4]}")
+        wrong = [k for k, v in state.items() if v.shape != expected[k].shape]
+        if wrong:
+            raise SpectrainError(f"{path}/model.safetensors has tensors of the wrong shape for its config: {wrong[:4]}")
+        if config.variant == "eagle3":
+            check_vocab_map(state["d2t"], state["t2d"], config.vocab_size, config.draft_vocab_size)
+        drafter.load_state_dict(state)
+        return drafter.to(device)
+
+
+def _check_verifier(config: EagleConfig, verifier_model, where: str) -> None:
+    """Raise if the drafter in ``where`` cannot run on ``verifier_model``."""
+    check_compatible(config.hidden_size, config.vocab_size, verifier_model, where)
+    layers = verifier_model.config.num_hidden_layers
+    # eagle3 reads the verifier's intermediate layers: the same ids in a deeper or shallower model are other layers.
+    if config.variant == "eagle3" and layers != config.num_hidden_layers:
+        raise SpectrainError(f"drafter {where} fuses layers {config.aux_layer_ids} of a {config.num_hidden_layers}-layer "
+                             f"verifier, but this verifier has {layers}: it belongs to another verifier")
