@@ -521,11 +521,11 @@ class EagleDrafter(nn.Module):
         Returns:
             ``steps`` hidden states (B, T, h), before the final norm (apply :meth:`logits` or a chunked loss).
         """
-        self._require_eagle3("ttt_forward")
         _require_int("steps", steps)
         B, T = input_ids.shape
         base = torch.arange(T, device=input_ids.device).expand(B, T)
-        hidden = self.fuse(aux)
+        # eagle1 unrolls the same way: its step-i input is its own predicted feature (validation, drafting).
+        hidden = self.fuse(aux) if self.is_eagle3 else aux
         keys, values, outs = [], [], []
         for step in range(steps):
             past_kv = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None

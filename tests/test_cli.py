@@ -55,7 +55,8 @@ def test_train_medusa_end_to_end(verifier_factory, text_file, tmp_path):
     assert Path(last_line) == (run_dir / "summary.json").resolve()
     summary = json.loads(Path(last_line).read_text())
     assert summary["steps"] == 6 and summary["method"] == "medusa" and summary["target"] == "greedy"
-    assert [h["head"] for h in summary["heads"]] == [1, 2, 3]
+    assert [row[0] for row in summary["per_position"]["rows"]] == [1, 2, 3]
+    assert summary["per_position"]["columns"][1] == "top1 vs verifier"
     assert 1.0 <= summary["tau_pred"] <= 4.0
     assert "top1 vs verifier" in proc.stdout
     for name in ("config.yaml", "config.json", "model.safetensors", "checkpoints/best.ckpt"):

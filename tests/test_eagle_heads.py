@@ -264,8 +264,14 @@ def test_ttt_forward_matches_naive_reference(verifiers, arch, layers):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[0], drafter.logits(step0), rtol=0, atol=0)
-    with pytest.raises(SpectrainError, match="eagle3"):
-        make_drafter(verifier, "eagle1").ttt_forward(ids, aux, embed, steps=2)
+    eagle1 = make_drafter(verifier, "eagle1")  # eagle1 unrolls too, but predicts through the verifier's lm_head
+    features = torch.randn(2, 5, verifier.config.hidden_size)
+    with torch.no_grad():
+        unrolled = eagle1.ttt_hidden(ids, features, embed, steps=2)
+        single, _ = eagle1(ids, features, embed)
+    torch.testing.assert_close(unrolled[0], single, rtol=0, atol=0)
+    with pytest.raises(SpectrainError, match="lm_head"):
+        eagle1.ttt_forward(ids, features, embed, steps=2)
 
 
 # -- export / reload ----------------------------------------------------------------------------------------------

@@ -104,6 +104,10 @@ class DrafterModule(L.LightningModule):
         """Turn the summed counts into metrics."""
         raise NotImplementedError
 
+    def summary_rows(self, metrics: dict) -> tuple[list[str], list[list]]:
+        """(column names, rows) of the per-head / per-step table in the summary."""
+        raise NotImplementedError
+
     def feature_layer_ids(self) -> tuple[int, ...]:
         """HF ``hidden_states`` indices the drafter needs besides the last hidden state."""
         return ()

@@ -147,6 +147,7 @@ def run_one(name: str, verifier_dir: str, steps: int) -> dict:
     module.train()
     # The optimizer DrafterModule.configure_optimizers uses (without the LR schedule, which costs no memory).
     opt = build_optimizer(module.drafter, module.lr, module.weight_decay)
+    params = [p for p in module.drafter.parameters() if p.requires_grad]
     vocab = module.verifier_lm_head.weight.shape[0]
     gen = torch.Generator().manual_seed(BATCH_SEED)
     batch = {"input_ids": torch.randint(0, vocab, (BATCH, SEQ), generator=gen),

@@ -161,9 +161,7 @@ def close_loggers(trainer) -> None:
 def build_summary(cli: SpectrainCLI, best: str, fit_seconds: float, wall_seconds: float) -> dict:
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     metrics = model.last_val_metrics
-    heads = [{"head": k + 1, **{name: metrics.get(f"head{k + 1}_{name}") for name in
-                                 ("top1_gt", "top5_gt", "top1_ver", "top5_ver")}}
-             for k in range(getattr(model, "num_heads", 0))]
+    headers, rows = model.summary_rows(metrics)
     verifier_report = None
     if model.verifier_name.startswith("bundled:"):
         from spectrain.data.bundled import bundled_verifier_dir
@@ -189,19 +187,19 @@ def build_summary(cli: SpectrainCLI, best: str, fit_seconds: float, wall_seconds
         "best_checkpoint": best or None,
         "drafter_dir": str(cli.run_dir.resolve()),
         "tau_pred": metrics.get("tau_pred"),
-        "heads": heads,
+        "per_position": {"columns": headers, "rows": rows},
         "val_metrics": metrics,
     }
 
 
 def summary_tables(summary: dict) -> list[str]:
-    rows = [[h["head"], h["top1_ver"], h["top5_ver"], h["top1_gt"], h["top5_gt"]] for h in summary["heads"]]
-    per_head = format_table(["head", "top1 vs verifier", "top5 vs verifier", "top1 vs data", "top5 vs data"], rows,
+    table = summary["per_position"]
+    per_head = format_table(table["columns"], table["rows"],
                             title=f"{summary['method']} on {summary['verifier']} ({summary['data']}), held-out")
     tau = summary["tau_pred"]
     facts = format_table(["", "value"], [
         ["predicted tau (joint chain)", "n/a" if tau is None else f"{tau:.3f}"],
-        ["target", summary["target"]], ["steps", summary["steps"]],
+        *([["target", summary["target"]]] if summary["target"] else []), ["steps", summary["steps"]],
         ["train tokens/s", summary["train_tokens_per_second"]], ["wall seconds", summary["wall_seconds"]],
     ])
     return [per_head, facts]
@@ -217,9 +215,10 @@ def _main(model_class: type[DrafterModule], default_config: str) -> None:
 
 def module_for_config(name: str) -> type[DrafterModule]:
     """The drafter module a recipe YAML in ``configs/`` is written for (by its ``<method>_`` prefix)."""
+    from .eagle import EagleModule
     from .medusa import MedusaModule
 
-    modules = {"medusa": MedusaModule}
+    modules = {"medusa": MedusaModule, "eagle1": EagleModule, "eagle3": EagleModule}
     method = name.split("_", 1)[0]
     if method not in modules:
         raise SpectrainError(f"config {name!r} names no known method; expected a prefix in {sorted(modules)}")
@@ -229,3 +228,8 @@ def module_for_config(name: str) -> type[DrafterModule]:
 def train_medusa() -> None:
     """Console script ``train_medusa``."""
     _main(module_for_config("medusa_tinyshakespeare.yaml"), "medusa_tinyshakespeare.yaml")
+
+
+def train_eagle() -> None:
+    """Console script ``train_eagle`` (EAGLE-3 by default; ``--model.variant eagle1`` or ``--config`` another recipe)."""
+    _main(module_for_config("eagle3_tinyshakespeare.yaml"), "eagle3_tinyshakespeare.yaml")

@@ -129,6 +129,11 @@ class MedusaModule(DrafterModule):
                 out[f"p_chain_{j + 1}"] = float(sums[f"chain_ge_{j}"]) / n
         return out
 
+    def summary_rows(self, metrics: dict) -> tuple[list[str], list[list]]:
+        names = ("top1_ver", "top5_ver", "top1_gt", "top5_gt")
+        return (["head", "top1 vs verifier", "top5 vs verifier", "top1 vs data", "top5 vs data"],
+                [[k + 1, *(metrics.get(f"head{k + 1}_{n}") for n in names)] for k in range(self.num_heads)])
+
     def export(self, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None, extra: dict | None = None) -> Path:
         """Write the heads (optionally with ``state`` loaded, e.g. the best checkpoint) in our format."""
         heads = self.build_drafter()

@@ -1,0 +1,193 @@
+"""EAGLE drafters (EAGLE-1 and EAGLE-3) trained on a frozen verifier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+from spectrain.heads.eagle import EagleDrafter, build_vocab_map
+from spectrain.heads.errors import SpectrainError
+
+from .base import DrafterModule
+from .losses import projected_cross_entropy, projected_topk
+
+
+class EagleModule(DrafterModule):
+    """Train an EAGLE drafter: one decoder layer over the verifier's features.
+
+    EAGLE-1: the input at position t is ``fc(cat(embed(x_{t+1}), f~_t))`` with the verifier's last hidden
+    state f_t plus uniform noise, ``f~ = f + feature_noise * (U[0,1) - 0.5)`` (EAGLE's reference: width 0.2);
+    loss = ``feature_loss_weight`` * SmoothL1(g_t, f_{t+1}) + ``ce_loss_weight`` * CE(lm_head(g_t), q_{t+1}),
+    where q is the verifier's next-token distribution.
+    EAGLE-3: fused verifier layers, own lm_head over a draft vocabulary (the most frequent loss-masked
+    training tokens), training-time test over ``ttt_steps`` steps; loss = sum_i step_decay^i * CE_i against q
+    restricted to the draft vocabulary. No feature loss.
+
+    Args:
+        variant: eagle1 or eagle3.
+        draft_vocab_size: eagle3 draft vocabulary (default min(V, 32000)).
+        aux_layer_ids: eagle3 HF ``hidden_states`` indices to fuse (default [2, N//2, N-3], distinct for small N).
+        ttt_steps: eagle3 training-time-test steps.
+        feature_noise: width of the uniform noise on eagle1's input features.
+        feature_loss_weight, ce_loss_weight: eagle1 loss weights.
+        step_decay: eagle3 weight of step i is step_decay^i.
+        val_steps: draft steps unrolled in validation (per-step top-1 and predicted tau).
+        **kwargs: see :class:`DrafterModule` (verifier, optimizer, chunking).
+    """
+
+    def __init__(
+        self,
+        variant: Literal["eagle1", "eagle3"] = "eagle3",
+        draft_vocab_size: Optional[int] = None,
+        aux_layer_ids: Optional[list[int]] = None,
+        ttt_steps: int = 7,
+        feature_noise: float = 0.2,
+        feature_loss_weight: float = 1.0,
+        ce_loss_weight: float = 0.1,
+        step_decay: float = 0.8,
+        val_steps: int = 4,
+        **kwargs,
+    ):
+        if variant not in ("eagle1", "eagle3"):
+            raise SpectrainError(f"model.variant must be eagle1 or eagle3, got {variant!r}")
+        if ttt_steps < 1 or val_steps < 1:
+            raise SpectrainError(f"model.ttt_steps and model.val_steps must be >= 1, got {ttt_steps}, {val_steps}")
+        self.variant, self.method_name = variant, variant
+        self.draft_vocab_size, self.aux_layer_ids = draft_vocab_size, aux_layer_ids
+        self.ttt_steps, self.feature_noise, self.step_decay, self.val_steps = ttt_steps, feature_noise, step_decay, val_steps
+        self.feature_loss_weight, self.ce_loss_weight = feature_loss_weight, ce_loss_weight
+        super().__init__(**kwargs)
+
+    def build_drafter(self) -> EagleDrafter:
+        return EagleDrafter.for_verifier(self.verifier, self.variant, self.draft_vocab_size, self.aux_layer_ids,
+                                         verifier_name=self.verifier_name)
+
+    def feature_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.drafter.config.aux_layer_ids or ()) if self.variant == "eagle3" else ()
+
+    @property
+    def embed(self):
+        return self.verifier.get_input_embeddings()
+
+    # -- eagle3 draft vocabulary: counted over the loss-masked training tokens -----------------------------------
+    def setup(self, stage: str) -> None:
+        if self.variant != "eagle3" or getattr(self, "_vocab_ready", False):
+            return
+        data = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if data is not None and getattr(data, "train_set", None) is not None:
+            self.set_vocab_from(data.train_set)
+
+    def set_vocab_from(self, rows) -> None:
+        """Build d2t/t2d from token frequencies of loss-masked tokens in ``rows`` and warm-start the lm_head."""
+        V = self.drafter.config.vocab_size
+        counts = torch.zeros(V, dtype=torch.long)
+        for row in rows:
+            ids = torch.as_tensor(row["input_ids"])
+            mask = torch.as_tensor(row["loss_mask"]).bool() if "loss_mask" in row else torch.ones_like(ids, dtype=torch.bool)
+            counts += torch.bincount(ids[mask], minlength=V)
+        d2t, t2d = build_vocab_map(counts, self.drafter.config.draft_vocab_size)
+        self.drafter.set_vocab_map(d2t.to(self.drafter.d2t.device), t2d.to(self.drafter.t2d.device))
+        self.drafter.init_lm_head_from(self.verifier_lm_head)
+        self._vocab_ready = True
+
+    def draft_rows(self) -> torch.Tensor:
+        """Verifier vocabulary ids of the draft vocabulary, in draft-id order (D,)."""
+        return self.drafter.draft_to_target(torch.arange(self.drafter.config.draft_vocab_size, device=self.device))
+
+    # -- losses ---------------------------------------------------------------------------------------------------
+    def _inputs(self, batch: dict, features: dict):
+        """Aligned drafter inputs: token x_{t+1} with the verifier's features at t, for t in 0..T-2."""
+        ids = batch["input_ids"][:, 1:]
+        if self.variant == "eagle3":
+            return ids, torch.cat(features["layers"], -1)[:, :-1].float()
+        return ids, features["hidden"][:, :-1].float()
+
+    def drafter_loss(self, batch: dict, features) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        hidden = features["hidden"]
+        T = hidden.shape[1]
+        target_mask = (batch["loss_mask"] * batch["attention_mask"]).bool()
+        head = self.verifier_lm_head
+        ids, feats = self._inputs(batch, features)
+        if self.variant == "eagle1":
+            noisy = feats + self.feature_noise * (torch.rand_like(feats) - 0.5)
+            out, _ = self.drafter(ids, noisy, self.embed)  # g_t predicts f_{t+1}
+            rows = target_mask[:, 2:].reshape(-1).nonzero().squeeze(1)  # q_{t+1} predicts token t+2
+            pred = out[:, :T - 2].reshape(-1, out.shape[-1])[rows]
+            true = hidden[:, 1:T - 1].reshape(-1, hidden.shape[-1])[rows].float()
+            feature_loss = F.smooth_l1_loss(pred, true) if rows.numel() else pred.sum() * 0
+            ce = projected_cross_entropy(pred, head.weight, head.bias, teacher_states=true, teacher_weight=head.weight,
+                                         teacher_bias=head.bias, chunk_size=self.loss_chunk_size)
+            loss = self.feature_loss_weight * feature_loss + self.ce_loss_weight * ce
+            return loss, {"feature_loss": feature_loss.detach(), "ce": ce.detach()}
+        outs = self.drafter.ttt_hidden(ids, feats, self.embed, steps=self.ttt_steps)
+        rows_v = self.draft_rows()
+        teacher_weight = head.weight[rows_v]
+        teacher_bias = None if head.bias is None else head.bias[rows_v]
+        total, parts = hidden.new_zeros((), dtype=torch.float32), {}
+        for i, out in enumerate(outs):  # step i at t predicts q_{t+1+i}, i.e. token t+2+i
+            n = T - 2 - i
+            if n <= 0:
+                break
+            rows = target_mask[:, 2 + i:].reshape(-1).nonzero().squeeze(1)
+            states = self.drafter.norm(out[:, :n]).reshape(-1, out.shape[-1])[rows]
+            teacher = hidden[:, 1 + i:T - 1].reshape(-1, hidden.shape[-1])[rows]
+            ce = projected_cross_entropy(states, self.drafter.lm_head.weight, None, teacher_states=teacher,
+                                         teacher_weight=teacher_weight, teacher_bias=teacher_bias,
+                                         chunk_size=self.loss_chunk_size)
+            parts[f"step{i + 1}_ce"] = ce.detach()
+            total = total + self.step_decay ** i * ce
+        return total, parts
+
+    # -- validation: per-step agreement with the verifier's greedy token and the joint chain ----------------------
+    @torch.no_grad()
+    def validation_counts(self, batch: dict, features) -> dict[str, torch.Tensor]:
+        greedy, T = features["greedy"], batch["input_ids"].shape[1]
+        valid = (batch["loss_mask"] * batch["attention_mask"]).bool()
+        ids, feats = self._inputs(batch, features)
+        outs = self.drafter.ttt_hidden(ids, feats, self.embed, steps=self.val_steps)
+        n_pos = max(T - 2 - (self.val_steps - 1), 0)
+        chain_ok = torch.ones_like(ids[:, :n_pos], dtype=torch.bool)
+        leading, chain_len = torch.ones_like(chain_ok), torch.zeros_like(ids[:, :n_pos])
+        counts = {}
+        for i, out in enumerate(outs):
+            n = T - 2 - i
+            if n <= 0:
+                break
+            top1 = self._top1(out[:, :n])
+            hit = top1 == greedy[:, 1 + i:T - 1]
+            mask = valid[:, 2 + i:]
+            counts[f"n_{i}"], counts[f"top1_ver_{i}"] = mask.sum(), (hit & mask).sum()
+            if i < self.val_steps:
+                chain_ok &= mask[:, :n_pos]
+                leading &= hit[:, :n_pos]
+                chain_len += leading.long()
+        counts["chain_n"] = chain_ok.sum()
+        counts["chain_len"] = (chain_len * chain_ok).sum()
+        return counts
+
+    def _top1(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, n, h) drafter outputs -> (B, n) verifier-vocabulary token ids of the drafter's argmax."""
+        if self.variant == "eagle3":
+            draft = projected_topk(self.drafter.norm(out), self.drafter.lm_head.weight, k=1,
+                                   chunk_size=self.topk_chunk_size)[..., 0]
+            return self.drafter.draft_to_target(draft)
+        head = self.verifier_lm_head
+        return projected_topk(out, head.weight, head.bias, k=1, chunk_size=self.topk_chunk_size)[..., 0]
+
+    def val_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        out = {f"step{i + 1}_top1_ver": float(sums[f"top1_ver_{i}"]) / max(float(sums[f"n_{i}"]), 1.0)
+               for i in range(self.val_steps) if f"n_{i}" in sums}
+        out["tau_pred"] = 1.0 + float(sums["chain_len"]) / max(float(sums["chain_n"]), 1.0)
+        return out
+
+    def summary_rows(self, metrics: dict) -> tuple[list[str], list[list]]:
+        return (["draft step", "top1 vs verifier"],
+                [[i + 1, metrics.get(f"step{i + 1}_top1_ver")] for i in range(self.val_steps)])
+
+    def export(self, out_dir: str | Path, state: dict | None = None, extra: dict | None = None) -> Path:
+        if state is not None:
+            self.drafter.load_state_dict(state)
+        return self.drafter.save_pretrained(out_dir)
