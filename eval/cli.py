@@ -24,12 +24,13 @@ from .accept import Sampling
 from .calibrate import medusa_diagnostics
 from .costs import draft_cost, plan, probe_state, verify_cost
 from .decode import Generation, generate
-from .drafters import Drafter, DynamicTreeDrafter, MedusaDrafter, ModelDrafter, NgramDrafter, truncated_verifier
+from .drafters import (Drafter, DynamicTreeDrafter, EagleChainDrafter, MedusaDrafter, ModelDrafter, NgramDrafter,
+                       truncated_verifier)
 from .prompts import BUNDLED, load_prompts
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree, expected_accept_length
 
-METHODS = ("medusa", "ngram", "draft-model", "truncated", "none")
+METHODS = ("medusa", "eagle", "ngram", "draft-model", "truncated", "none")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,6 +86,20 @@ def load_medusa(path: str, verifier, verifier_name: str, allow_mismatch: bool) -
     return heads
 
 
+def load_eagle(path: str, verifier, verifier_name: str, allow_mismatch: bool):
+    from spectrain.heads.eagle import EagleDrafter
+
+    if not path:
+        raise SpectrainError("--method eagle needs --drafter (a train_eagle run directory)")
+    drafter = EagleDrafter.from_pretrained(path, verifier_model=verifier.model)
+    recorded = drafter.config.verifier
+    if recorded and recorded != verifier_name and not allow_mismatch:
+        raise SpectrainError(f"drafter {path} was trained for verifier {recorded!r}, not {verifier_name!r}; "
+                             "pass --allow_verifier_mismatch if they are the same model")
+    param = next(verifier.model.parameters())
+    return drafter.to(param.device, param.dtype).eval()
+
+
 def encode_turn(tokenizer, history: list[dict], use_template: bool) -> list[int]:
     if use_template:
         return tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -115,10 +130,10 @@ def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
     if args.method != "none" and not trees:
         raise SpectrainError("nothing to evaluate: give --k > 0 and/or --tree")
     for name, tree in trees.items():
-        if drafter_heads is not None and tree.max_depth > drafter_heads.config.num_heads:
+        if args.method == "medusa" and tree.max_depth > drafter_heads.config.num_heads:
             raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter has "
                                  f"{drafter_heads.config.num_heads} heads")
-        if args.method in ("ngram", "draft-model", "truncated") and not tree.is_chain and not name.startswith("dynamic"):
+        if args.method in ("eagle", "ngram", "draft-model", "truncated") and not tree.is_chain and not name.startswith("dynamic"):
             raise SpectrainError(f"--method {args.method} drafts chains only; drop --tree")
     return trees
 
@@ -131,6 +146,8 @@ def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "
         return DynamicTreeDrafter(model, depth, topk, budget, max_len)
     if args.method == "medusa":
         return MedusaDrafter(heads, verifier.model.get_output_embeddings(), tree)
+    if args.method == "eagle":
+        return EagleChainDrafter(heads, verifier.model, tree.size)
     if args.method == "ngram":
         return NgramDrafter(tree.size)
     if args.method == "truncated":
@@ -256,7 +273,8 @@ def evaluate(args) -> Path:
                                                   bool(getattr(tokenizer, "chat_template", None)) and args.prompts != BUNDLED)
     if use_template and not getattr(tokenizer, "chat_template", None):
         raise SpectrainError("--chat_template on, but the verifier's tokenizer has no chat template")
-    heads = load_medusa(args.drafter, verifier, args.verifier, args.allow_verifier_mismatch) if args.method == "medusa" else None
+    heads = {"medusa": load_medusa, "eagle": load_eagle}.get(args.method, lambda *a: None)(
+        args.drafter, verifier, args.verifier, args.allow_verifier_mismatch)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     longest = max(len(encode_turn(tokenizer, [{"role": "user", "content": t}], use_template)) for p in prompts for t in p)
     turns = max(len(p) for p in prompts)
@@ -271,7 +289,7 @@ def evaluate(args) -> Path:
     per_prompt = {"ar": ar_records}
 
     calibration = None
-    if heads is not None:
+    if args.method == "medusa":
         probe = MedusaDrafter(heads, verifier.model.get_output_embeddings(), Tree.chain(heads.config.num_heads))
         seqs = [t["sequence"] for r in ar_records for t in r["turns"]]
         starts = [t["prompt_tokens"] for r in ar_records for t in r["turns"]]
@@ -279,7 +297,8 @@ def evaluate(args) -> Path:
     trees = make_trees(args, heads, calibration)
 
     probe_prompt = encode_turn(tokenizer, [{"role": "user", "content": prompts[0][0]}], use_template)
-    state = probe_state(runner, probe_prompt, sampling)
+    eagle3_layers = tuple(heads.config.aux_layer_ids) if args.method == "eagle" and heads.is_eagle3 else ()
+    state = probe_state(runner, probe_prompt, sampling, eagle3_layers)
     t_decode = verify_cost(runner, Tree.chain(0), len(probe_prompt))
     costs = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
     t_verify, t_draft = {}, {}

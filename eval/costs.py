@@ -9,6 +9,7 @@ Ideal speedup of a setting = tau * T_decode / (T_verify(n) + T_draft).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -61,6 +62,9 @@ def draft_cost(drafter: Drafter, state: DraftState, repeats: int = 10) -> float:
     if drafter.tree.size == 0:
         return 0.0
     drafter.start(state, None)
+    if drafter.wants_features:  # feed the prompt once; a round then feeds one new position and drafts
+        drafter.propose(state)
+        state = replace(state, new_features=state.new_features[-1:], new_tokens=state.new_tokens[-1:])
     if hasattr(drafter, "runner"):  # model drafters keep a cache: re-propose from the same state each time
         def run():
             drafter.start(state, None)
@@ -84,11 +88,14 @@ def plan(alpha: list[float | None], t_decode: float, t_verify: dict[int, float],
     return rows
 
 
-def probe_state(runner: StaticCausalLM, prompt: list[int], sampling: Sampling) -> DraftState:
+def probe_state(runner: StaticCausalLM, prompt: list[int], sampling: Sampling,
+                capture_layers: tuple[int, ...] = ()) -> DraftState:
     """A drafter state after prefilling ``prompt`` (for timing drafters in isolation)."""
     tokens = torch.zeros(runner.max_len, dtype=torch.long, device=runner.device)
     tokens[:len(prompt)] = torch.tensor(prompt, device=runner.device)
     runner.reset()
+    runner.capture = capture_layers
     hidden = runner.forward(tokens[:len(prompt)])
     runner.reset()
-    return DraftState(tokens=tokens, length=len(prompt), hidden=hidden[-1], sampling=sampling, history=list(prompt))
+    return DraftState(tokens=tokens, length=len(prompt), hidden=hidden[-1], sampling=sampling, history=list(prompt),
+                      new_features=runner.aux if capture_layers else hidden, new_tokens=tokens[1:len(prompt) + 1])

@@ -72,6 +72,7 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
     _sync(device)
     t0 = time.perf_counter()
     verifier.reset()
+    verifier.capture = drafter.capture_layers
     hidden = verifier.forward(tokens[:len(prompt)])
     verifier.commit(len(prompt))
     root = sample(target_probs(verifier.logits(hidden[-1:]), sampling), generator)
@@ -79,6 +80,9 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
     out = Generation(tokens=[int(root)])  # host sync: the prefill's token
     state = DraftState(tokens=tokens, length=len(prompt) + 1, hidden=hidden[-1], sampling=sampling, generator=generator,
                        history=list(prompt) + out.tokens)
+    if drafter.wants_features:  # every prompt position's features, paired with the token after it
+        state.new_features = verifier.aux if drafter.capture_layers else hidden
+        state.new_tokens = tokens[1:len(prompt) + 1]
     drafter.start(state, verifier)
     _sync(device)
     out.prefill_seconds = time.perf_counter() - t0
@@ -124,6 +128,10 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         state.length += len(new)
         state.history.extend(new)
         state.hidden = hidden[last_slot]
+        if drafter.wants_features:  # features of root + path, paired with the tokens that follow them
+            kept_slots = torch.cat([verdict.path.new_zeros(1), verdict.path[0, :a] + 1])
+            state.new_features = (verifier.aux if drafter.capture_layers else hidden)[kept_slots]
+            state.new_tokens = torch.cat([path_tokens[:a], verdict.bonus])
         drafter.advance(a, state)
         if out.stop == "eos":
             break

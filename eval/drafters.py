@@ -32,6 +32,10 @@ class DraftState:
     sampling: Sampling
     generator: torch.Generator | None = None
     history: list[int] = field(default_factory=list)  # the same context on the host (kept by the decoder)
+    # For feature-based drafters (EAGLE): verifier features of the positions committed since the last round,
+    # (m, F), and the token that follows each of them, (m,).
+    new_features: torch.Tensor | None = None
+    new_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Drafter:
     """Base: no drafts (plain autoregressive decoding through the same loop)."""
 
     name = "none"
+    wants_features = False  # EAGLE drafters read the verifier's features of every committed position
+    capture_layers: tuple[int, ...] = ()  # HF hidden_states indices the verifier must keep (EAGLE-3)
 
     def __init__(self, tree: Tree | None = None):
         self.tree = tree if tree is not None else Tree.chain(0)
@@ -254,3 +260,62 @@ class DynamicTreeDrafter(ModelDrafter):
         keep = self._committed + self.pending.numel()  # only the pending context was committed
         self.runner.length = keep
         self.pending = state.tokens[keep:state.length]
+
+
+class EagleChainDrafter(Drafter):
+    """An EAGLE-1 or EAGLE-3 drafter drafting a chain autoregressively with its own KV cache.
+
+    The cache holds one entry per committed position t: the drafter's pass over (x_{t+1}, features_t). Draft
+    steps feed the drafter's own output back (EAGLE-1: as the next feature; EAGLE-3: as the hidden input), and
+    their cache entries are dropped after the round: the verifier's true features replace them.
+    """
+
+    name = "eagle"
+    wants_features = True
+
+    def __init__(self, drafter, verifier_model, k: int):
+        super().__init__(Tree.chain(k))
+        self.drafter, self.k = drafter, k
+        self.embed = verifier_model.get_input_embeddings()
+        self.lm_head = verifier_model.get_output_embeddings()
+        aux = tuple(drafter.config.aux_layer_ids or ())
+        if list(aux) != sorted(aux):
+            raise SpectrainError(f"EAGLE-3 aux layers must be ascending, got {list(aux)}")
+        self.capture_layers = aux if drafter.is_eagle3 else ()
+        self.past = None
+
+    def start(self, state: DraftState, verifier) -> None:
+        self.past = None
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """(n, h) -> (n, V) over the verifier's vocabulary (EAGLE-3: draft ids mapped through d2t, -inf elsewhere)."""
+        logits = self.drafter.logits(out, self.lm_head).float()
+        if not self.drafter.is_eagle3:
+            return logits
+        full = logits.new_full((logits.shape[0], self.drafter.config.vocab_size), float("-inf"))
+        return full.index_copy(1, self.drafter.draft_to_target(torch.arange(logits.shape[1], device=logits.device)), logits)
+
+    def _step(self, ids, features, hidden_input: bool):
+        past_len = 0 if self.past is None else self.past[0].shape[2]
+        positions = (past_len + torch.arange(ids.shape[0], device=ids.device))[None]
+        fn = self.drafter.forward_hidden if hidden_input else self.drafter.forward
+        out, (k, v) = fn(ids[None], features[None], self.embed, position_ids=positions, past_kv=self.past)
+        self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2), torch.cat([self.past[1], v], 2))
+        return out[0]
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> Proposal:
+        out = self._step(state.new_tokens, state.new_features, hidden_input=False)
+        committed = self.past
+        tokens, probs = [], []
+        last = out[-1:]
+        for i in range(self.k):
+            logits = self._logits(last)[0]
+            p = target_probs(logits, state.sampling)
+            token = logits.argmax() if state.sampling.greedy else sample(p[None], state.generator)[0]
+            tokens.append(token)
+            probs.append(p)
+            if i + 1 < self.k:
+                last = self._step(token[None], last, hidden_input=True)
+        self.past = committed  # drop the draft steps' entries
+        return Proposal(tokens=torch.stack(tokens), probs=None if state.sampling.greedy else torch.stack(probs))

@@ -81,6 +81,9 @@ class StaticCausalLM:
         self.cache = KVCache(len(self.inner.layers), self.kv_heads, max_len, self.head_dim, self.dtype, self.device)
         self.max_len = max_len
         self.length = 0
+        # HF hidden_states indices to keep from each forward in ``aux`` (n, len * H), for EAGLE-3 drafters.
+        self.capture: tuple[int, ...] = ()
+        self.aux: torch.Tensor | None = None
 
     # -- masks ------------------------------------------------------------------------------------------------
     def chain_mask(self, n: int) -> torch.Tensor:
@@ -128,9 +131,17 @@ class StaticCausalLM:
         cos, sin = self.inner.rotary_emb(x, positions[None])
         cos, sin = cos[:, None], sin[:, None]  # (1, 1, n, d)
         mask = mask[None, None]
+        captured = []
+        last = len(self.inner.layers)
         for i, layer in enumerate(self.inner.layers):
             x = self._layer(i, layer, x, cos, sin, slots, mask, span)
-        return self.inner.norm(x)[0]
+            if i + 1 in self.capture and i + 1 < last:  # HF hidden_states[i+1]: the output of layer i
+                captured.append(x[0])
+        out = self.inner.norm(x)[0]
+        if self.capture:  # hidden_states[N] is the final (normed) state in HF's convention
+            captured += [out] if last in self.capture else []
+            self.aux = torch.cat(captured, -1)
+        return out
 
     def _run(self, input_ids, positions, mask, slots):
         return self._graph(input_ids, positions, mask, slots)

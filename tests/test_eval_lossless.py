@@ -235,3 +235,20 @@ def test_malformed_tree_specs():
         Tree.from_paths([[-1]])
     with pytest.raises(SpectrainError, match="JSON"):
         Tree.load("[[0], [1")
+
+
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_greedy_eagle_chain_equals_ar(verifier, variant):
+    from spectrain.eval.drafters import EagleChainDrafter
+    from spectrain.heads.eagle import EagleDrafter
+
+    model, _ = verifier
+    torch.manual_seed(0)
+    eagle = EagleDrafter.for_verifier(model, variant, draft_vocab_size=200 if variant == "eagle3" else None)
+    runner = StaticCausalLM(model, max_len=128)
+    drafter = EagleChainDrafter(eagle, model, K)
+    for prompt in prompts(2):
+        assert generate(runner, drafter, prompt, 40).tokens == hf_greedy(model, prompt, 40)
+        sampled = generate(runner, drafter, prompt, 20, Sampling(temperature=1.0),
+                           generator=torch.Generator().manual_seed(0))
+        assert len(sampled.tokens) == 20
