@@ -79,11 +79,15 @@ def load_medusa(path: str, verifier, verifier_name: str, allow_mismatch: bool) -
     if not path:
         raise SpectrainError("--method medusa needs --drafter (a train_medusa run directory)")
     heads = MedusaHeads.from_pretrained(path, verifier_model=verifier.model)
-    recorded = heads.config.verifier
+    check_recorded_verifier(path, heads.config.verifier, verifier_name, allow_mismatch)
+    return heads
+
+
+def check_recorded_verifier(path: str, recorded: str, verifier_name: str, allow_mismatch: bool) -> None:
+    """Sizes are checked on load; the recorded name catches same-shaped drafters of another model."""
     if recorded and recorded != verifier_name and not allow_mismatch:
         raise SpectrainError(f"drafter {path} was trained for verifier {recorded!r}, not {verifier_name!r}; "
                              "pass --allow_verifier_mismatch if they are the same model")
-    return heads
 
 
 def load_eagle(path: str, verifier, verifier_name: str, allow_mismatch: bool):
@@ -92,10 +96,7 @@ def load_eagle(path: str, verifier, verifier_name: str, allow_mismatch: bool):
     if not path:
         raise SpectrainError("--method eagle needs --drafter (a train_eagle run directory)")
     drafter = EagleDrafter.from_pretrained(path, verifier_model=verifier.model)
-    recorded = drafter.config.verifier
-    if recorded and recorded != verifier_name and not allow_mismatch:
-        raise SpectrainError(f"drafter {path} was trained for verifier {recorded!r}, not {verifier_name!r}; "
-                             "pass --allow_verifier_mismatch if they are the same model")
+    check_recorded_verifier(path, drafter.config.verifier, verifier_name, allow_mismatch)
     param = next(verifier.model.parameters())
     return drafter.to(param.device, param.dtype).eval()
 
