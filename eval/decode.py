@@ -110,10 +110,8 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         depth = verdict.path.shape[1]
         new = rest[depth:depth + a] + [rest[-1]]
         last_slot = 1 + rest[a - 1] if a else 0
-        if tree.is_chain:
-            verifier.commit(1 + a)
-        else:  # slots of root + path, built on device (a is already on the host)
-            verifier.commit(1 + a, torch.cat([verdict.path.new_zeros(1), verdict.path[0, :a] + 1]) + base)
+        kept_slots = torch.cat([verdict.path.new_zeros(1), verdict.path[0, :a] + 1])  # root + path, on device
+        verifier.commit(1 + a, None if tree.is_chain else kept_slots + base)  # a chain's path is already in place
         room = max_new_tokens - len(out.tokens)
         kept = new[:room]
         for i, t in enumerate(kept):
@@ -129,7 +127,6 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         state.history.extend(new)
         state.hidden = hidden[last_slot]
         if drafter.wants_features:  # features of root + path, paired with the tokens that follow them
-            kept_slots = torch.cat([verdict.path.new_zeros(1), verdict.path[0, :a] + 1])
             state.new_features = (verifier.aux if drafter.capture_layers else hidden)[kept_slots]
             state.new_tokens = torch.cat([path_tokens[:a], verdict.bonus])
         drafter.advance(a, state)
