@@ -127,7 +127,7 @@ def train_heads(verifier_dir: Path, out: Path, size: str, device, log) -> dict:
         loss.backward()
         opt.step()
         if step % 200 == 0:
-            log(f"heads step {step}/{steps} loss {float(loss):.3f}")
+            log(f"heads step {step}/{steps} loss {float(loss.detach()):.3f}")
     heads.float().save_pretrained(out)
     return {"steps": steps, "train_seconds": time.time() - t0}
 
