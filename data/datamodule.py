@@ -29,7 +29,8 @@ class DrafterDataModule(L.LightningDataModule):
     Args:
         path: a ``.txt`` file, a chat ``.json``/``.jsonl`` file (ShareGPT, ``messages`` or Alpaca), a
             local HF dataset directory, or a hub dataset id (online only). ``None``: the bundled tinyshakespeare.
-        format: ``auto`` picks from the path: ``.txt`` -> text, ``.json``/``.jsonl`` -> chat, otherwise hf.
+        format: ``auto`` picks from the path: ``.txt`` -> text, ``.json``/``.jsonl`` -> chat, a directory with
+            ``train/metadata.json`` -> store (offline hidden states from ``spectrain-extract``), otherwise hf.
         tokenizer: the verifier whose tokenizer (and chat template) to use; linked to ``model.verifier``.
         gguf_file: GGUF file inside ``tokenizer``, when the verifier is one; linked to ``model.verifier_gguf_file``.
         block_size: tokens per text block; maximum length of a chat sample.
@@ -44,7 +45,7 @@ class DrafterDataModule(L.LightningDataModule):
     def __init__(
         self,
         path: Optional[str] = None,
-        format: Literal["auto", "text", "chat", "hf"] = "auto",
+        format: Literal["auto", "text", "chat", "hf", "store"] = "auto",
         tokenizer: str = "bundled:tinyshakespeare",
         gguf_file: Optional[str] = None,
         block_size: int = 256,
@@ -68,6 +69,7 @@ class DrafterDataModule(L.LightningDataModule):
         self.train_set = self.val_set = None
         self.skipped = 0
         self.tokenizer = None
+        self.store_meta = None
 
     # -- what the data is -------------------------------------------------------------------------------------
     @property
@@ -79,6 +81,8 @@ class DrafterDataModule(L.LightningDataModule):
             return self.format
         if self.path is None:
             return "text"
+        if (Path(self.path) / "train" / "metadata.json").is_file():
+            return "store"
         suffix = Path(self.path).suffix.lower()
         return {".txt": "text", ".json": "chat", ".jsonl": "chat"}.get(suffix, "hf")
 
@@ -97,6 +101,12 @@ class DrafterDataModule(L.LightningDataModule):
             self.train_set, self.val_set = self._chat_rows(self.path)
         elif fmt == "hf":
             self.train_set, self.val_set = self._hf_rows()
+        elif fmt == "store":
+            from .store import HiddenStateStore
+
+            self.train_set = HiddenStateStore(Path(self.path) / "train")
+            self.val_set = HiddenStateStore(Path(self.path) / "validation")
+            self.store_meta = self.train_set.meta
         else:
             raise SpectrainError(f"unknown data.format {self.format!r}; expected auto, text, chat or hf")
         if len(self.val_set) == 0 or len(self.train_set) == 0:
@@ -158,7 +168,9 @@ class DrafterDataModule(L.LightningDataModule):
 
     # -- batches ------------------------------------------------------------------------------------------------
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        """Right-pad to the longest row; pads get attention 0 and loss 0."""
+        """Right-pad to the longest row; pads get attention 0 and loss 0. Store rows are stacked as they are."""
+        if "hidden" in rows[0]:
+            return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
         length = max(len(r["input_ids"]) for r in rows)
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else 0
         input_ids = torch.full((len(rows), length), pad, dtype=torch.long)

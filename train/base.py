@@ -129,11 +129,37 @@ class DrafterModule(L.LightningModule):
     def features(self, batch: dict) -> dict[str, torch.Tensor]:
         """Verifier features of a batch: last hidden (B, T, H), extra layers, greedy next tokens (B, T)."""
         self.verifier.eval()
-        last, layers = verifier_features(self.verifier, batch["input_ids"], batch.get("attention_mask"),
-                                         self.feature_layer_ids())
+        if "hidden" in batch:  # offline store: the verifier already ran (spectrain-extract)
+            dtype = self.verifier_lm_head.weight.dtype
+            last = batch["hidden"].to(dtype)
+            width = last.shape[-1]
+            stored = list(self._store_layers)
+            layers = [batch["aux"][..., stored.index(i) * width:(stored.index(i) + 1) * width].to(dtype)
+                      for i in self.feature_layer_ids()]
+        else:
+            last, layers = verifier_features(self.verifier, batch["input_ids"], batch.get("attention_mask"),
+                                             self.feature_layer_ids())
         head = self.verifier_lm_head
         greedy = projected_topk(last, head.weight, head.bias, k=1, chunk_size=self.topk_chunk_size)[..., 0]
         return {"hidden": last, "layers": layers, "greedy": greedy}
+
+    def setup(self, stage: str) -> None:
+        data = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if data is not None and getattr(data, "store_meta", None) is not None:
+            self.use_store(data.store_meta)
+
+    def use_store(self, meta: dict) -> None:
+        """Check an offline store against this verifier and drafter before training on it."""
+        from spectrain.data.store import verifier_signature
+
+        if meta["signature"] != verifier_signature(self.verifier.config):
+            raise SpectrainError(f"the hidden-state store was made with another verifier ({meta['verifier']}, "
+                                 f"{meta['signature']})")
+        missing = [i for i in self.feature_layer_ids() if i not in meta["layer_ids"]]
+        if missing:
+            raise SpectrainError(f"the hidden-state store holds layers {meta['layer_ids']}, but the drafter needs "
+                                 f"{list(self.feature_layer_ids())}")
+        self._store_layers = tuple(meta["layer_ids"])
 
     def on_fit_start(self) -> None:
         dtype = resolve_dtype(self.verifier_dtype, self.device)

@@ -74,6 +74,7 @@ class EagleModule(DrafterModule):
 
     # -- eagle3 draft vocabulary: counted over the loss-masked training tokens -----------------------------------
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         if self.variant != "eagle3" or getattr(self, "_vocab_ready", False):
             return
         data = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
