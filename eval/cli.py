@@ -24,8 +24,8 @@ from .accept import Sampling
 from .calibrate import medusa_diagnostics
 from .costs import draft_cost, plan, probe_state, verify_cost
 from .decode import Generation, generate
-from .drafters import (Drafter, DynamicTreeDrafter, EagleChainDrafter, MedusaDrafter, ModelDrafter, NgramDrafter,
-                       truncated_verifier)
+from .drafters import (Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter, ModelDrafter,
+                       NgramDrafter, truncated_verifier)
 from .prompts import BUNDLED, load_prompts
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree, expected_accept_length
@@ -121,8 +121,9 @@ def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
             tree = Tree.load(args.tree)
             trees[f"tree-{tree.size}"] = tree
     if args.dynamic_tree:
-        if args.method not in ("draft-model", "truncated"):
-            raise SpectrainError("--dynamic_tree needs a drafter that drafts autoregressively (draft-model, truncated)")
+        if args.method not in ("draft-model", "truncated", "eagle"):
+            raise SpectrainError("--dynamic_tree needs a drafter that drafts autoregressively (eagle, draft-model, "
+                                 "truncated)")
         try:
             depth, topk, budget = (int(x) for x in args.dynamic_tree.split(","))
         except ValueError:
@@ -134,7 +135,7 @@ def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
         if args.method == "medusa" and tree.max_depth > drafter_heads.config.num_heads:
             raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter has "
                                  f"{drafter_heads.config.num_heads} heads")
-        if args.method in ("eagle", "ngram", "draft-model", "truncated") and not tree.is_chain and not name.startswith("dynamic"):
+        if args.method in ("ngram", "draft-model", "truncated") and not tree.is_chain and not name.startswith("dynamic"):
             raise SpectrainError(f"--method {args.method} drafts chains only; drop --tree")
     return trees
 
@@ -142,13 +143,16 @@ def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
 def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "") -> Drafter:
     if name.startswith("dynamic"):
         depth, topk, budget = (int(x) for x in args.dynamic_tree.split(","))
+        if args.method == "eagle":
+            return EagleTreeDrafter(heads, verifier.model, dynamic=(depth, topk, budget))
         model = (truncated_verifier(verifier.model, args.draft_layers) if args.method == "truncated"
                  else load_verifier(args.draft_model, dtype=args.dtype, device=args.device).model)
         return DynamicTreeDrafter(model, depth, topk, budget, max_len)
     if args.method == "medusa":
         return MedusaDrafter(heads, verifier.model.get_output_embeddings(), tree)
     if args.method == "eagle":
-        return EagleChainDrafter(heads, verifier.model, tree.size)
+        return (EagleChainDrafter(heads, verifier.model, tree.size) if tree.is_chain
+                else EagleTreeDrafter(heads, verifier.model, tree=tree))
     if args.method == "ngram":
         return NgramDrafter(tree.size)
     if args.method == "truncated":

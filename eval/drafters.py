@@ -319,3 +319,129 @@ class EagleChainDrafter(Drafter):
                 last = self._step(token[None], last, hidden_input=True)
         self.past = committed  # drop the draft steps' entries
         return Proposal(tokens=torch.stack(tokens), probs=None if state.sampling.greedy else torch.stack(probs))
+
+
+class EagleTreeDrafter(EagleChainDrafter):
+    """EAGLE drafting a tree: a static rank-path tree, or (``dynamic=(depth, topk, budget)``) an EAGLE-2 tree.
+
+    Each depth runs the drafter once on the whole frontier: every node reads its parent's output as hidden
+    input, sits at position ``base + depth - 1`` and attends to the committed cache plus its own ancestors
+    (scratch K/V appended after the cache and dropped after the round).
+    """
+
+    name = "eagle-tree"
+
+    def __init__(self, drafter, verifier_model, tree: Tree | None = None, dynamic: tuple[int, int, int] | None = None):
+        if (tree is None) == (dynamic is None):
+            raise SpectrainError("give either a static tree or dynamic=(depth, topk, budget)")
+        depth = tree.max_depth if tree is not None else dynamic[0]
+        super().__init__(drafter, verifier_model, depth)
+        self.static, self.dynamic = tree, dynamic
+        self.tree = tree if tree is not None else Tree.chain(min(dynamic[0], dynamic[2]))
+
+    @property
+    def max_nodes(self) -> int:
+        return self.static.size if self.static is not None else self.dynamic[2]
+
+    def _run_frontier(self, tokens, parent_out, depth: int, ancestor_slots: list[list[int]], base: int, scratch):
+        """One drafter pass over m frontier nodes; returns their outputs (m, h) and log-probs (m, V)."""
+        m = tokens.shape[0]
+        k_all, v_all = scratch
+        past = k_all.shape[2]
+        mask = torch.zeros(1, 1, m, past + m, dtype=torch.bool, device=tokens.device)
+        mask[..., :base] = True
+        for j, slots in enumerate(ancestor_slots):
+            mask[0, 0, j, slots] = True
+            mask[0, 0, j, past + j] = True
+        positions = torch.full((1, m), base + depth - 1, device=tokens.device)
+        out, (k, v) = self.drafter.forward_hidden(tokens[None], parent_out[None], self.embed, position_ids=positions,
+                                                  attn_mask=mask, past_kv=(k_all, v_all))
+        scratch = (torch.cat([k_all, k], 2), torch.cat([v_all, v], 2))
+        return out[0], torch.log_softmax(self._logits(out[0]), -1), scratch, past
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> Proposal:
+        out = self._step(state.new_tokens, state.new_features, hidden_input=False)
+        committed = self.past
+        base = committed[0].shape[2]
+        root_logp = torch.log_softmax(self._logits(out[-1:]), -1)[0]
+        if self.static is not None:
+            tokens = self._static(root_logp, out[-1], base)
+            self.past = committed
+            return Proposal(tokens=tokens)
+        proposal = self._dynamic(root_logp, out[-1], base)
+        self.past = committed
+        return proposal
+
+    def _static(self, root_logp, root_out, base):
+        tree = self.static.to(root_logp.device)
+        max_rank = int(tree.rank.max()) + 1
+        tokens = torch.zeros(tree.size, dtype=torch.long, device=root_logp.device)
+        outputs, slot = {}, {}
+        parent_top = {-1: root_logp.topk(max_rank).indices}
+        parent_out = {-1: root_out}
+        scratch = self.past
+        for depth in range(1, tree.max_depth + 1):
+            nodes = [i for i, p in enumerate(self.static.paths) if len(p) == depth]
+            for i in nodes:
+                tokens[i] = parent_top[int(self.static_parent(i))][self.static.paths[i][-1]]
+            expand = [i for i in nodes if any(len(q) == depth + 1 and q[:-1] == self.static.paths[i] for q in self.static.paths)]
+            if not expand:
+                break
+            anc = [[slot[a] for a in self._ancestors(i) if a in slot] for i in expand]
+            out, logp, scratch, start = self._run_frontier(
+                tokens[expand], torch.stack([parent_out[int(self.static_parent(i))] for i in expand]), depth, anc,
+                base, scratch)
+            for j, i in enumerate(expand):
+                slot[i] = start + j
+                parent_out[i] = out[j]
+                parent_top[i] = logp[j].topk(max_rank).indices
+        return tokens
+
+    def static_parent(self, i: int) -> int:
+        return int(self.static.parent[i])
+
+    def _ancestors(self, i: int) -> list[int]:
+        out = []
+        while i >= 0:
+            i = self.static_parent(i)
+            if i >= 0:
+                out.append(i)
+        return out
+
+    def _dynamic(self, root_logp, root_out, base) -> Proposal:
+        depth_cap, topk, budget = self.dynamic
+        top = root_logp.topk(topk)
+        tokens, scores = top.indices.tolist(), top.values.tolist()
+        paths = [(r,) for r in range(topk)]
+        parent = [-1] * topk
+        outs = {-1: root_out}
+        slot, frontier, scratch = {}, list(range(topk)), self.past
+        for depth in range(1, depth_cap):
+            frontier = sorted(frontier, key=lambda i: -scores[i])[:topk]
+            anc = []
+            for i in frontier:
+                chain, a = [], parent[i]
+                while a >= 0:
+                    chain.append(slot[a])
+                    a = parent[a]
+                anc.append(chain)
+            ids = torch.tensor([tokens[i] for i in frontier], device=root_out.device)
+            out, logp, scratch, start = self._run_frontier(ids, torch.stack([outs[parent[i]] for i in frontier]),
+                                                           depth, anc, base, scratch)
+            child = logp.topk(topk)
+            child_tokens, child_scores = child.indices.tolist(), child.values.tolist()
+            new_frontier = []
+            for j, i in enumerate(frontier):
+                slot[i], outs[i] = start + j, out[j]
+                for r in range(topk):
+                    tokens.append(child_tokens[j][r])
+                    scores.append(scores[i] + child_scores[j][r])
+                    paths.append(paths[i] + (r,))
+                    parent.append(i)
+                    new_frontier.append(len(tokens) - 1)
+            frontier = new_frontier
+        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], len(paths[i])))[:budget]
+        tree = Tree.from_paths([paths[i] for i in keep])
+        by_path = {paths[i]: tokens[i] for i in keep}
+        return Proposal(tokens=torch.tensor([by_path[p] for p in tree.paths], device=root_out.device), tree=tree)

@@ -64,3 +64,18 @@ def noised_copy(model, noise: float, seed: int = 0):
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3))
     return draft
+
+
+def oracle_eagle1(model, noise: float, seed: int = 1):
+    """An EAGLE-1 drafter that (noise aside) passes the input token's embedding through, so the bigram
+    verifier's lm_head reads off its greedy next token: drafts that are often, not always, accepted."""
+    from spectrain.heads.eagle import EagleDrafter
+
+    torch.manual_seed(seed)
+    eagle = EagleDrafter.for_verifier(model, "eagle1")
+    h = model.config.hidden_size
+    with torch.no_grad():
+        eagle.layer.mlp.down_proj.weight.mul_(0.01)
+        eagle.layer.self_attn.o_proj.weight.mul_(0.01)
+        eagle.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], 1) + noise * torch.randn(h, 2 * h) / h ** 0.5)
+    return eagle
