@@ -158,7 +158,7 @@ class DrafterDataModule(L.LightningDataModule):
         tok, block = self.tokenizer, self.block_size
 
         def render(row):
-            messages = to_messages(row)
+            messages = to_messages(dict(row))  # datasets hands over lazy row mappings
             return render_chat(messages, tok, block) if messages else {"input_ids": [], "loss_mask": []}
 
         ds = ds.map(render, remove_columns=ds.column_names).filter(lambda r: sum(r["loss_mask"]) > 0)

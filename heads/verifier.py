@@ -102,7 +102,7 @@ def load_verifier(
     except (OSError, ValueError, KeyError) as e:
         msg = str(e)
         if "trust_remote_code" in msg:
-            raise SpectrainError(f"verifier {name_or_path!r} needs custom code; pass trust_remote_code=True "
+            raise SpectrainError(f"verifier {name_or_path!r} needs custom code; enable trust_remote_code "
                                  "only if you trust it") from None
         raise SpectrainError(f"could not load verifier {name_or_path!r}: {msg.splitlines()[0] if msg else e!r}") from None
     if getattr(config, "is_encoder_decoder", False):

@@ -82,3 +82,26 @@ def test_chat_batches_pad_with_zero_loss(verifier_factory, tmp_path):
     assert pads.any(), "rows of different lengths are padded"
     assert not batch["loss_mask"][pads].any()
     assert 0 < int(batch["loss_mask"].sum()) < int(batch["attention_mask"].sum())
+
+
+def test_hf_dataset_directories(verifier_factory, tmp_path):
+    """Saved HF datasets load from disk: a text column becomes blocks, chat columns get the assistant mask."""
+    import datasets
+
+    from tests.conftest import sample_text
+
+    text_dir, chat_dir = tmp_path / "text_ds", tmp_path / "chat_ds"
+    datasets.Dataset.from_dict({"text": sample_text(200).splitlines()}).save_to_disk(str(text_dir))
+    rows = [{"messages": [{"role": "user", "content": f"speak of the king {i}"},
+                          {"role": "assistant", "content": f"the king {i} sat on the hill"}]} for i in range(20)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(chat_dir))
+    verifier = str(verifier_factory("llama", False))
+    text = DrafterDataModule(path=str(text_dir), tokenizer=verifier, block_size=16)
+    text.setup()
+    assert text.resolved_format() == "hf" and all(len(r) == 16 for r in text.train_set["input_ids"])
+    chat = DrafterDataModule(path=str(chat_dir), tokenizer=verifier, block_size=64, batch_size=4)
+    chat.setup()
+    batch = next(iter(chat.train_dataloader()))
+    assert 0 < int(batch["loss_mask"].sum()) < int(batch["attention_mask"].sum())
+    with pytest.raises(SpectrainError, match="could not load HF dataset"):
+        DrafterDataModule(path=str(tmp_path / "nothing_here"), format="hf", tokenizer=verifier).setup()
