@@ -7,7 +7,11 @@ text, assistant tokens only for chat).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -118,16 +122,43 @@ class DrafterDataModule(L.LightningDataModule):
         return parts["train"], parts["test"]
 
     def _chat_rows(self, path):
+        """Tokenized conversations, cached as a ``datasets`` Arrow table keyed by file content, tokenizer and length."""
         import datasets
 
         from .chat import tokenize_chat_file
 
-        rows, self.skipped = tokenize_chat_file(path, self.tokenizer, self.block_size)
+        if not Path(path).is_file():
+            raise SpectrainError(f"chat data file not found: {path}")
+        cache = self._chat_cache_dir(path)
+        if (cache / "dataset_info.json").is_file():
+            ds = datasets.load_from_disk(str(cache))
+            self.skipped = int(json.loads((cache / "spectrain.json").read_text())["skipped"])
+        else:
+            rows, self.skipped = tokenize_chat_file(path, self.tokenizer, self.block_size)
+            if len(rows) < 2:
+                raise SpectrainError(f"{path}: {len(rows)} usable conversation(s); need at least 2 for a validation split")
+            ds = datasets.Dataset.from_list(rows)
+            tmp = cache.with_name(cache.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            ds.save_to_disk(str(tmp))
+            (tmp / "spectrain.json").write_text(json.dumps({"skipped": self.skipped}))
+            shutil.rmtree(cache, ignore_errors=True)
+            os.replace(tmp, cache)  # complete or absent: never half a cache
+            ds = datasets.load_from_disk(str(cache))
         if self.skipped:
             log.warning("%s: skipped %d conversation(s) with no assistant turn", path, self.skipped)
-        if len(rows) < 2:
-            raise SpectrainError(f"{path}: {len(rows)} usable conversation(s); need at least 2 for a validation split")
-        return self._split(datasets.Dataset.from_list(rows))
+        return self._split(ds)
+
+    def _chat_cache_dir(self, path) -> Path:
+        from .bundled import cache_root
+
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        tok = self.tokenizer
+        digest.update(repr((tok.name_or_path, len(tok), tok.chat_template, self.block_size)).encode())
+        return cache_root() / "tokenized" / f"chat-{digest.hexdigest()[:24]}"
 
     def _hf_rows(self):
         import datasets

@@ -105,3 +105,20 @@ def test_hf_dataset_directories(verifier_factory, tmp_path):
     assert 0 < int(batch["loss_mask"].sum()) < int(batch["attention_mask"].sum())
     with pytest.raises(SpectrainError, match="could not load HF dataset"):
         DrafterDataModule(path=str(tmp_path / "nothing_here"), format="hf", tokenizer=verifier).setup()
+
+
+def test_chat_tokenization_is_cached(verifier_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECTRAIN_CACHE", str(tmp_path / "cache"))
+    rows = [{"messages": [{"role": "user", "content": f"speak {i}"}, {"role": "assistant", "content": f"good night {i}"}]}
+            for i in range(10)] + [{"turns": ["no answer"]}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    first = DrafterDataModule(path=str(path), tokenizer=str(verifier_factory("llama", False)), block_size=64)
+    first.setup()
+    import spectrain.data.chat as chat
+
+    monkeypatch.setattr(chat, "tokenize_chat_file", lambda *a, **k: pytest.fail("tokenized again"))
+    again = DrafterDataModule(path=str(path), tokenizer=str(verifier_factory("llama", False)), block_size=64)
+    again.setup()
+    assert again.train_set["input_ids"] == first.train_set["input_ids"] and again.skipped == first.skipped == 1
+    assert list((tmp_path / "cache" / "tokenized").iterdir())
