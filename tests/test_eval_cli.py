@@ -107,3 +107,20 @@ def test_gpu_check_script_cpu_path(tmp_path):
     assert summary["checks"]["fp32_greedy_identical"] == {"chain-4": True, "tree-32": True}
     assert set(summary["bf16"]["results"]) == {"ar", "chain-4", "tree-32"}
     assert summary["bf16"]["hf_generate"]["tokens_per_second"] > 0
+
+
+def test_eval_runs_without_the_training_stack(setup, tmp_path):
+    """The evaluator needs only torch, transformers and safetensors: after a whole run, none of Lightning,
+    datasets, W&B or jsonargparse has been imported."""
+    script = (
+        "import sys\n"
+        "from spectrain.eval.cli import main\n"
+        "try:\n"
+        f"    main({sys_args(setup, '--out', str(tmp_path / 'o'))!r})\n"
+        "finally:\n"
+        "    heavy = sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning', 'datasets',"
+        " 'wandb', 'jsonargparse'})\n"
+        "    print('HEAVY', heavy)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "HEAVY []" in proc.stdout, proc.stdout[-500:]
