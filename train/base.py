@@ -108,6 +108,29 @@ class DrafterModule(L.LightningModule):
         """(column names, rows) of the per-head / per-step table in the summary."""
         raise NotImplementedError
 
+    @staticmethod
+    def chain_counts(hits: list[torch.Tensor], masks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Joint chain statistics: depth j is reached only if depths 1..j all match the verifier.
+
+        Args:
+            hits, masks: per depth j, (B, n_j) top-1 matches and target validity; n_j shrinks with depth.
+        Returns:
+            counts over the positions where every depth has a target: ``chain_n``, ``chain_len`` (sum of
+            leading matches) and ``chain_ge_j`` (chains reaching past depth j).
+        """
+        n_pos = min(h.shape[1] for h in hits)
+        chain_ok = torch.ones_like(hits[0][:, :n_pos])
+        leading = torch.ones_like(chain_ok)
+        length = torch.zeros_like(hits[0][:, :n_pos], dtype=torch.long)
+        for hit, mask in zip(hits, masks):
+            chain_ok &= mask[:, :n_pos]
+            leading &= hit[:, :n_pos]
+            length += leading.long()
+        counts = {"chain_n": chain_ok.sum(), "chain_len": (length * chain_ok).sum()}
+        for j in range(len(hits)):
+            counts[f"chain_ge_{j}"] = ((length > j) & chain_ok).sum()
+        return counts
+
     def feature_layer_ids(self) -> tuple[int, ...]:
         """HF ``hidden_states`` indices the drafter needs besides the last hidden state."""
         return ()

@@ -149,25 +149,17 @@ class EagleModule(DrafterModule):
         valid = (batch["loss_mask"] * batch["attention_mask"]).bool()
         ids, feats = self._inputs(batch, features)
         outs = self.drafter.ttt_hidden(ids, feats, self.embed, steps=self.val_steps)
-        n_pos = max(T - 2 - (self.val_steps - 1), 0)
-        chain_ok = torch.ones_like(ids[:, :n_pos], dtype=torch.bool)
-        leading, chain_len = torch.ones_like(chain_ok), torch.zeros_like(ids[:, :n_pos])
-        counts = {}
+        counts, hits, masks = {}, [], []
         for i, out in enumerate(outs):
             n = T - 2 - i
             if n <= 0:
                 break
-            top1 = self._top1(out[:, :n])
-            hit = top1 == greedy[:, 1 + i:T - 1]
+            hit = self._top1(out[:, :n]) == greedy[:, 1 + i:T - 1]
             mask = valid[:, 2 + i:]
             counts[f"n_{i}"], counts[f"top1_ver_{i}"] = mask.sum(), (hit & mask).sum()
-            if i < self.val_steps:
-                chain_ok &= mask[:, :n_pos]
-                leading &= hit[:, :n_pos]
-                chain_len += leading.long()
-        counts["chain_n"] = chain_ok.sum()
-        counts["chain_len"] = (chain_len * chain_ok).sum()
-        return counts
+            hits.append(hit)
+            masks.append(mask)
+        return {**counts, **self.chain_counts(hits, masks)}
 
     def _top1(self, out: torch.Tensor) -> torch.Tensor:
         """(B, n, h) drafter outputs -> (B, n) verifier-vocabulary token ids of the drafter's argmax."""

@@ -88,13 +88,10 @@ class MedusaModule(DrafterModule):
     def validation_counts(self, batch: dict, features) -> dict[str, torch.Tensor]:
         """Per head: top-1/top-5 hits vs the data and vs the verifier's greedy token; joint chain lengths."""
         hidden, greedy, ids = features["hidden"], features["greedy"], batch["input_ids"]
-        K, T = self.num_heads, ids.shape[1]
+        T = ids.shape[1]
         valid_target = (batch["loss_mask"] * batch["attention_mask"]).bool()
-        n_pos = max(T - K - 1, 0)  # positions where every head has a target
-        chain_ok = torch.ones_like(ids[:, :n_pos], dtype=torch.bool)
-        leading = torch.ones_like(chain_ok)
-        chain_len = torch.zeros_like(ids[:, :n_pos])
         counts: dict[str, torch.Tensor] = {}
+        hits, masks = [], []
         for k, state in enumerate(self.drafter.head_states(hidden.float())):
             weight, bias = self.drafter.lm_head_params(k, self.verifier_lm_head)
             top5 = projected_topk(state[:, :T - k - 2], weight, bias, k=5, chunk_size=self.topk_chunk_size)
@@ -106,15 +103,9 @@ class MedusaModule(DrafterModule):
             counts[f"top5_gt_{k}"] = (hit_gt.any(-1) & mask).sum()
             counts[f"top1_ver_{k}"] = (hit_ver[..., 0] & mask).sum()
             counts[f"top5_ver_{k}"] = (hit_ver.any(-1) & mask).sum()
-            # Joint chain: a draft of depth j is accepted only if heads 1..j all match the verifier.
-            chain_ok &= mask[:, :n_pos]
-            leading &= hit_ver[:, :n_pos, 0]
-            chain_len += leading.long()
-        counts["chain_n"] = chain_ok.sum()
-        counts["chain_len"] = (chain_len * chain_ok).sum()
-        for j in range(K):
-            counts[f"chain_ge_{j}"] = ((chain_len > j) & chain_ok).sum()
-        return counts
+            hits.append(hit_ver[..., 0])
+            masks.append(mask)
+        return {**counts, **self.chain_counts(hits, masks)}
 
     def val_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         out: dict[str, float] = {}
