@@ -16,10 +16,8 @@ import argparse
 import fcntl
 import json
 import os
-import shutil
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path

@@ -6,7 +6,6 @@ Imports only torch, transformers and safetensors (matplotlib for the plots, when
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict
@@ -23,7 +22,7 @@ from . import metrics
 from .accept import Sampling
 from .calibrate import medusa_diagnostics
 from .costs import draft_cost, plan, probe_state, verify_cost
-from .decode import Generation, generate
+from .decode import generate
 from .drafters import (Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter, ModelDrafter,
                        NgramDrafter, truncated_verifier)
 from .prompts import BUNDLED, load_prompts

@@ -69,10 +69,6 @@ class Drafter:
     def advance(self, accepted: int, state: DraftState) -> None:
         """``accepted`` drafts were kept; ``state`` is the context after the round (new root included)."""
 
-    def draft_distributions(self, state: DraftState) -> torch.Tensor | None:
-        """(depth, V) the drafter's distribution for each chain depth, for KL/TV diagnostics (None if n/a)."""
-        return None
-
 
 class MedusaDrafter(Drafter):
     """Medusa heads: node at depth d with rank r takes head d's r-th most likely token."""
@@ -100,9 +96,6 @@ class MedusaDrafter(Drafter):
         logits = self._logits(state.hidden)  # (K, V)
         top = logits.topk(self.max_rank, dim=-1).indices  # (K, R)
         return Proposal(tokens=top[self.tree.depth - 1, self.tree.rank])
-
-    def draft_distributions(self, state: DraftState) -> torch.Tensor:
-        return target_probs(self._logits(state.hidden), Sampling(temperature=max(state.sampling.temperature, 1.0)))
 
 
 class NgramDrafter(Drafter):
@@ -377,7 +370,7 @@ class EagleTreeDrafter(EagleChainDrafter):
         tree = self.static.to(root_logp.device)
         max_rank = int(tree.rank.max()) + 1
         tokens = torch.zeros(tree.size, dtype=torch.long, device=root_logp.device)
-        outputs, slot = {}, {}
+        slot = {}
         parent_top = {-1: root_logp.topk(max_rank).indices}
         parent_out = {-1: root_out}
         scratch = self.past

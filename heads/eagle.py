@@ -21,7 +21,7 @@ are not in the drafter's ``state_dict`` and never written into its checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 

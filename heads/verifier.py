@@ -7,7 +7,6 @@ trains it and never writes it into its own checkpoints.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -276,7 +276,6 @@ def test_greedy_eagle_trees_equal_ar(verifier, variant, shape):
 def test_eagle_tree_machinery_matches_the_chain(verifier):
     """A chain-shaped static tree must draft exactly what the chain drafter drafts (same masks and positions)."""
     from spectrain.eval.drafters import EagleChainDrafter, EagleTreeDrafter
-    from spectrain.heads.eagle import EagleDrafter
 
     from tests.eval_helpers import oracle_eagle1
 

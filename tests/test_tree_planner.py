@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from spectrain.eval.costs import plan
 from spectrain.eval.metrics import alphas, distinct_ngram_ratio, expected_tau, histogram, tau

@@ -8,7 +8,6 @@ ranks, checkpoint filtering. A drafter subclass provides four things:
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Optional
 
@@ -85,7 +84,6 @@ class DrafterModule(L.LightningModule):
         self.strict_loading = False
         self._val_sums: dict[str, torch.Tensor] = {}
         self.last_val_metrics: dict[str, float] = {}
-        self._fit_started = None
         self.trained_tokens = 0
 
     # -- subclass interface ---------------------------------------------------------------------------------
@@ -187,7 +185,6 @@ class DrafterModule(L.LightningModule):
     def on_fit_start(self) -> None:
         dtype = resolve_dtype(self.verifier_dtype, self.device)
         self.verifier.to(dtype)
-        self._fit_started = time.time()
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
