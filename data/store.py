@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import shutil
 import sys
 import time
@@ -51,12 +52,24 @@ def estimate_bytes(tokens: int, hidden_size: int, num_layers: int, dtype: torch.
 
 
 @torch.no_grad()
+def launcher_rank() -> tuple[int, int]:
+    """(rank, world size) from torchrun (RANK/WORLD_SIZE) or SLURM (SLURM_PROCID/SLURM_NTASKS); (0, 1) alone."""
+    for rank_key, world_key in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank_key in os.environ and world_key in os.environ:
+            return int(os.environ[rank_key]), int(os.environ[world_key])
+    return 0, 1
+
+
 def extract(verifier, rows, out_dir: str | Path, layer_ids: tuple[int, ...], data_name: str, dtype: str = "bfloat16",
-            rows_per_shard: int = 64, batch_size: int = 8, pad_id: int = 0, log=print) -> Path:
+            rows_per_shard: int = 64, batch_size: int = 8, pad_id: int = 0, log=print, rank: int = 0,
+            world: int = 1) -> Path:
     """Run ``verifier`` (a loaded :class:`~spectrain.heads.verifier.Verifier`) over ``rows`` and store features.
 
     ``rows`` is a sequence of dicts with ``input_ids`` (and optionally ``loss_mask``), e.g. a data module's split.
     Resumable: finished shards recorded in ``metadata.json`` are kept, the rest is (re)written.
+    Data-parallel: with ``world`` > 1 (one process per rank, e.g. under torchrun), rank r writes shards
+    i with i % world == r and records them in ``metadata.rank<r>.json``; whichever rank finds every shard
+    recorded writes the merged, complete ``metadata.json`` (the same content whoever writes it).
     """
     from spectrain.heads.verifier import verifier_features
 
@@ -70,13 +83,18 @@ def extract(verifier, rows, out_dir: str | Path, layer_ids: tuple[int, ...], dat
     meta = {"format_version": FORMAT_VERSION, "verifier": verifier.name, "signature": verifier_signature(config),
             "layer_ids": list(layer_ids), "dtype": dtype, "data": data_name, "rows": len(rows),
             "rows_per_shard": rows_per_shard, "shards": []}
-    if (out / "metadata.json").is_file():
-        old = read_json(out / "metadata.json", "store metadata")
+    if not 0 <= rank < world:
+        raise SpectrainError(f"rank {rank} outside a world of {world} processes")
+    for old_path in [out / "metadata.json", *sorted(out.glob("metadata.rank*.json"))]:
+        if not old_path.is_file():
+            continue
+        old = read_json(old_path, "store metadata")
         same = {k: old.get(k) for k in meta if k != "shards"} == {k: v for k, v in meta.items() if k != "shards"}
         if not same:
             raise SpectrainError(f"{out} holds a store made with other settings (verifier, layers, data or dtype); "
                                  "choose another directory")
-        meta["shards"] = old["shards"]
+        known = {s["index"] for s in meta["shards"]}
+        meta["shards"] += [s for s in old["shards"] if s["index"] not in known]
     tokens = sum(len(r["input_ids"]) for r in rows)
     need = estimate_bytes(tokens, config.hidden_size, len(layer_ids), DTYPES[dtype])
     out.mkdir(parents=True, exist_ok=True)
@@ -87,8 +105,10 @@ def extract(verifier, rows, out_dir: str | Path, layer_ids: tuple[int, ...], dat
         raise SpectrainError(f"the store needs about {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free in {out}")
     device = next(model.parameters()).device
     t0, done = time.time(), {s["index"] for s in meta["shards"]}
+    record = out / ("metadata.json" if world == 1 else f"metadata.rank{rank}.json")
+    total = -(-len(rows) // rows_per_shard)
     for index, start in enumerate(range(0, len(rows), rows_per_shard)):
-        if index in done:
+        if index in done or index % world != rank:
             continue
         chunk = rows[start:start + rows_per_shard] if not hasattr(rows, "select") else \
             rows.select(range(start, min(start + rows_per_shard, len(rows))))
@@ -98,7 +118,16 @@ def extract(verifier, rows, out_dir: str | Path, layer_ids: tuple[int, ...], dat
         meta["shards"].append({"index": index, "file": path.name, "rows": int(tensors["input_ids"].shape[0]),
                                "bytes": path.stat().st_size, "sha256": _sha256(path)})
         meta["shards"].sort(key=lambda s: s["index"])
-        write_json(out / "metadata.json", meta)  # after the shard: a crash never records a missing shard
+        write_json(record, meta)  # after the shard: a crash never records a missing shard
+    if world > 1:
+        write_json(record, meta)
+        merged = {s["index"]: s for p in sorted(out.glob("metadata.rank*.json"))
+                  for s in read_json(p, "store metadata")["shards"]}
+        merged.update({s["index"]: s for s in meta["shards"]})
+        if len(merged) < total:
+            log(f"store: rank {rank}/{world} done; {total - len(merged)} shard(s) left to other ranks")
+            return out
+        meta["shards"] = [merged[i] for i in sorted(merged)]
     meta["complete"] = True
     meta["extract_seconds"] = round(time.time() - t0, 2)
     write_json(out / "metadata.json", meta)
@@ -197,9 +226,13 @@ def main(argv=None) -> None:
         data = DrafterDataModule(path=args.data, tokenizer=args.verifier, gguf_file=args.gguf_file,
                                  block_size=args.block_size)
         data.setup()
+        rank, world = launcher_rank()  # torchrun / srun: each process extracts its share of the shards
         for split, rows in (("train", data.train_set), ("validation", data.val_set)):
             extract(verifier, rows, Path(args.out) / split, tuple(layers), data.data_name, args.dtype,
-                    args.rows_per_shard, pad_id=verifier.tokenizer.pad_token_id or 0)
+                    args.rows_per_shard, pad_id=verifier.tokenizer.pad_token_id or 0, rank=rank, world=world)
+        if world > 1 and not all((Path(args.out) / s / "metadata.json").is_file() for s in ("train", "validation")):
+            print(f"rank {rank}: shards written; the store completes when every rank has finished")
+            return
     except SpectrainError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

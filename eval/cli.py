@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.formats import import_drafter
 from spectrain.heads.medusa import MedusaHeads
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
@@ -38,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verifier", default="bundled:tinyshakespeare", help="hub id, local dir or bundled:<name>")
     p.add_argument("--gguf_file", default=None, help="GGUF file inside --verifier")
     p.add_argument("--method", default="medusa", choices=METHODS, help="drafter kind")
-    p.add_argument("--drafter", default=None, help="drafter directory (a train_medusa run dir or an export)")
+    p.add_argument("--drafter", default=None, help="drafter directory: a train_medusa / train_eagle run dir, or "
+                   "an export in any spectrain-export format (vLLM, SGLang, TensorRT-LLM, speculators)")
     p.add_argument("--draft_model", default=None, help="draft LM for --method draft-model (same tokenizer)")
     p.add_argument("--draft_layers", type=int, default=1, help="layers kept by --method truncated")
     p.add_argument("--allow_verifier_mismatch", action="store_true",
@@ -77,7 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_medusa(path: str, verifier, verifier_name: str, allow_mismatch: bool) -> MedusaHeads:
     if not path:
         raise SpectrainError("--method medusa needs --drafter (a train_medusa run directory)")
-    heads = MedusaHeads.from_pretrained(path, verifier_model=verifier.model)
+    heads = import_drafter(path, verifier_model=verifier.model)
+    if not isinstance(heads, MedusaHeads):
+        raise SpectrainError(f"{path} holds an {heads.config.variant} drafter: use --method eagle")
     check_recorded_verifier(path, heads.config.verifier, verifier_name, allow_mismatch)
     return heads
 
@@ -90,11 +94,11 @@ def check_recorded_verifier(path: str, recorded: str, verifier_name: str, allow_
 
 
 def load_eagle(path: str, verifier, verifier_name: str, allow_mismatch: bool):
-    from spectrain.heads.eagle import EagleDrafter
-
     if not path:
         raise SpectrainError("--method eagle needs --drafter (a train_eagle run directory)")
-    drafter = EagleDrafter.from_pretrained(path, verifier_model=verifier.model)
+    drafter = import_drafter(path, verifier_model=verifier.model)
+    if isinstance(drafter, MedusaHeads):
+        raise SpectrainError(f"{path} holds Medusa heads: use --method medusa")
     check_recorded_verifier(path, drafter.config.verifier, verifier_name, allow_mismatch)
     param = next(verifier.model.parameters())
     return drafter.to(param.device, param.dtype).eval()

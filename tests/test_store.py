@@ -113,3 +113,21 @@ def test_train_eagle_from_the_store(setup, tmp_path):
                        "3", "--run_dir", str(tmp_path / "run"), "--logger", "none"])
     summary = json.loads(path.read_text())
     assert summary["data_format"] == "store" and summary["steps"] == 3
+
+
+def test_data_parallel_extraction_equals_one_process(setup, tmp_path):
+    """Two ranks (run one after the other here, as torchrun would run them side by side) write the same store."""
+    verifier_dir, data, store = setup
+    verifier = load_verifier(str(verifier_dir))
+    for rank in (1, 0):
+        extract(verifier, data.train_set, tmp_path / "dp", (1, 2, 3), "corpus", rows_per_shard=16,
+                log=lambda *_: None, rank=rank, world=2)
+        complete = (tmp_path / "dp" / "metadata.json").is_file()
+        assert complete == (rank == 0)  # the store completes when the last rank finishes
+    one, two = HiddenStateStore(store / "train"), HiddenStateStore(tmp_path / "dp")
+    assert len(one) == len(two)
+    for i in (0, len(one) // 2, len(one) - 1):
+        for key in ("input_ids", "hidden", "aux"):
+            assert torch.equal(one[i][key], two[i][key])
+    with pytest.raises(SpectrainError, match="outside a world"):
+        extract(verifier, data.train_set, tmp_path / "x", (1,), "corpus", rank=2, world=2)

@@ -52,6 +52,9 @@ class DrafterModule(L.LightningModule):
         min_lr_ratio: the cosine decays to ``lr * min_lr_ratio``.
         loss_chunk_size: rows per chunk of the vocabulary projection in the loss (bounds peak memory);
             null projects all rows at once and keeps their logits for backward (the reference path).
+        init_from: start from a trained drafter instead of a fresh one: a spectrain run directory or an
+            export in any ``spectrain-export`` format (vLLM, SGLang, TensorRT-LLM, speculators); its shape
+            must match this run's (heads, layers, draft vocabulary), and an EAGLE-3 keeps its d2t/t2d.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class DrafterModule(L.LightningModule):
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
         loss_chunk_size: Optional[int] = 256,
+        init_from: Optional[str] = None,
     ):
         super().__init__()
         if lr <= 0:
@@ -80,11 +84,31 @@ class DrafterModule(L.LightningModule):
         self.verifier = loaded.model
         self.tokenizer = loaded.tokenizer
         self.drafter = self.build_drafter()
+        self.init_from = init_from
+        if init_from:
+            self.load_initial_drafter(init_from)
         # The checkpoint holds only the drafter, so loading it must not demand verifier keys.
         self.strict_loading = False
         self._val_sums: dict[str, torch.Tensor] = {}
         self.last_val_metrics: dict[str, float] = {}
         self.trained_tokens = 0
+
+    def load_initial_drafter(self, path: str) -> None:
+        """Copy the weights of the drafter in ``path`` (any importable format) into ``self.drafter``."""
+        from spectrain.heads.formats import import_drafter
+
+        source = import_drafter(path, verifier_model=self.verifier)
+        ours = self.drafter.state_dict()
+        theirs = source.state_dict()
+        if type(source) is not type(self.drafter) or set(theirs) != set(ours) or getattr(
+                source.config, "variant", None) != getattr(self.drafter.config, "variant", None):
+            raise SpectrainError(f"model.init_from {path} holds a drafter of another kind or shape than this run's "
+                                 f"({type(source).__name__} {getattr(source.config, 'variant', '')} with "
+                                 f"{len(theirs)} tensors vs {len(ours)}): match --model.* to it")
+        wrong = [k for k in ours if ours[k].shape != theirs[k].shape]
+        if wrong:
+            raise SpectrainError(f"model.init_from {path}: tensor shapes differ from this run's drafter: {wrong[:4]}")
+        self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
 
     # -- subclass interface ---------------------------------------------------------------------------------
     def build_drafter(self) -> torch.nn.Module:
@@ -221,7 +245,11 @@ class DrafterModule(L.LightningModule):
     # -- checkpoints: trainable weights + resume state, never the verifier ----------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(VERIFIER_PREFIX)}
-        checkpoint["spectrain"] = {"verifier": self.verifier_name, "method": self.method_name}
+        checkpoint["spectrain"] = {"verifier": self.verifier_name, "method": self.method_name,
+                                   "trained_tokens": self.trained_tokens}
+        # The RNG streams the loss draws from (EAGLE-1's feature noise), so a resumed run draws the same numbers.
+        checkpoint["rng"] = {"torch": torch.get_rng_state(),
+                             **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("spectrain", {})
@@ -230,6 +258,12 @@ class DrafterModule(L.LightningModule):
         missing = [k for k in self.drafter.state_dict() if f"drafter.{k}" not in checkpoint["state_dict"]]
         if missing:
             raise SpectrainError(f"checkpoint lacks drafter weights {missing[:4]}: it is not a {self.method_name} checkpoint")
+        self.trained_tokens = int(saved.get("trained_tokens", 0))
+        rng = checkpoint.get("rng") or {}
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
     def drafter_state_from_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
         """The drafter's weights from a Lightning checkpoint of this module (loaded with weights_only)."""

@@ -30,6 +30,9 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.report import finish, format_table
 
 from .base import DrafterModule
+from .strategies import register_strategies
+
+register_strategies()
 
 
 def config_path(name: str) -> str:
@@ -78,7 +81,12 @@ class SpectrainCLI(LightningCLI):
         parser.link_arguments("model.verifier_gguf_file", "data.gguf_file")
         parser.add_argument("--run_dir", type=Optional[str], default=None,
                             help="output directory (default: runs/<method>-<verifier>-<data>)")
-        parser.add_argument("--force", type=bool, default=False, help="overwrite a finished run directory")
+        parser.add_argument("--force", type=bool, default=False,
+                            help="start over in --run_dir: overwrite a finished run, or discard an unfinished one "
+                                 "instead of resuming it")
+        parser.add_argument("--checkpoint_every", type=int, default=50,
+                            help="save a resume checkpoint every N optimizer steps (checkpoints/resume.ckpt); "
+                                 "re-running the same command after a crash continues from it")
         parser.add_argument("--logger", type=Literal["wandb", "csv", "tensorboard", "none"], default="wandb",
                             help="wandb (offline when no API key or network), csv, tensorboard or none")
         parser.add_argument("--wandb_project", type=str, default="spectrain", help="W&B project name")
@@ -92,14 +100,26 @@ class SpectrainCLI(LightningCLI):
         if (self.run_dir / "summary.json").exists() and not cfg.force:
             raise SpectrainError(f"{self.run_dir} holds a finished run (summary.json); pass --force to overwrite it "
                                  "or choose another --run_dir")
+        strategy = cfg.trainer.get("strategy") if hasattr(cfg.trainer, "get") else getattr(cfg.trainer, "strategy", None)
+        if isinstance(strategy, str) and strategy.startswith("fsdp") and not torch.cuda.is_available():
+            raise SpectrainError(f"--trainer.strategy {strategy}: Lightning's FSDP needs CUDA devices and none is "
+                                 "available; use --trainer.strategy ddp on CPUs")
+        if cfg.checkpoint_every < 1:
+            raise SpectrainError(f"--checkpoint_every must be >= 1, got {cfg.checkpoint_every}")
 
     def instantiate_trainer(self, **kwargs):
         cfg = self.config
         trainer_cfg = self._get(self.config_init, "trainer", default={})
         self.checkpoint = ModelCheckpoint(dirpath=self.run_dir / "checkpoints", filename="best", monitor="val/tau_pred",
                                           mode="max", save_top_k=1, save_last=True, auto_insert_metric_name=False)
-        callbacks = list(trainer_cfg.get("callbacks") or []) + [self.checkpoint]
-        kwargs.update(default_root_dir=str(self.run_dir), callbacks=callbacks, logger=self._logger(cfg))
+        # Written every N steps (atomically: Lightning saves local checkpoints through an fsspec transaction,
+        # i.e. a temporary file renamed into place), so a crash loses at most N steps.
+        self.resume_checkpoint = ModelCheckpoint(dirpath=self.run_dir / "checkpoints", filename="resume",
+                                                 every_n_train_steps=cfg.checkpoint_every, save_top_k=1,
+                                                 monitor=None, enable_version_counter=False)
+        callbacks = list(trainer_cfg.get("callbacks") or []) + [self.checkpoint, self.resume_checkpoint]
+        kwargs.update(default_root_dir=str(self.run_dir), callbacks=callbacks, logger=self._logger(cfg),
+                      use_distributed_sampler=False)  # the training loader shards itself over ranks
         if trainer_cfg.get("precision") is None:
             on_gpu = torch.cuda.is_available() and trainer_cfg.get("accelerator", "auto") in ("auto", "gpu", "cuda")
             kwargs["precision"] = "bf16-mixed" if on_gpu else "32-true"
@@ -131,20 +151,74 @@ def train(model_class: type[DrafterModule], default_config: str, args=None) -> P
     if data.block_size > model.verifier_context:
         raise SpectrainError(f"data.block_size={data.block_size} exceeds the verifier's context of "
                              f"{model.verifier_context} tokens")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").unlink(missing_ok=True)  # --force: the old run is no longer finished
-    (run_dir / "config.yaml").write_text(cli.parser.dump(cli.config, skip_none=False))
+    resume_from = prepare_run_dir(cli)
     fit_start = time.time()
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=resume_from)
     fit_seconds = time.time() - fit_start
     best = cli.checkpoint.best_model_path
     if best:
         model.drafter.load_state_dict(model.drafter_state_from_checkpoint(best))
     trainer.validate(model, datamodule=data, verbose=False)
+    if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the export and the summary
+        return run_dir / "summary.json"
     model.export(run_dir, extra={"trained_steps": trainer.global_step})
     close_loggers(trainer)
     summary = build_summary(cli, best, fit_seconds, time.time() - t0)
     return finish(summary, run_dir / "summary.json", tables=summary_tables(summary))
+
+
+RESUME_MAY_CHANGE = ("force", "checkpoint_every", "logger", "wandb_project")
+
+
+def _comparable(config_text: str) -> str:
+    """A resolved config minus the keys that may differ between a run and its resumption."""
+    import yaml
+
+    config = yaml.safe_load(config_text) or {}
+    for key in RESUME_MAY_CHANGE:
+        config.pop(key, None)
+    return yaml.safe_dump(config, sort_keys=True)
+
+
+def prepare_run_dir(cli: SpectrainCLI) -> str | None:
+    """Create or reuse the run directory; returns the checkpoint to resume from, if any.
+
+    An unfinished run (no summary.json) with a checkpoint is resumed from its most advanced checkpoint,
+    provided the resolved config is the same; ``--force`` starts over instead.
+    """
+    run_dir, force = cli.run_dir, cli.config.force
+    config_text = cli.parser.dump(cli.config, skip_none=False)
+    checkpoints = run_dir / "checkpoints"
+    resume_from = None
+    if force:
+        (run_dir / "summary.json").unlink(missing_ok=True)  # the old run is no longer finished
+        import shutil
+
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    elif checkpoints.is_dir():
+        candidates = [p for p in (checkpoints / "resume.ckpt", checkpoints / "last.ckpt") if p.is_file()]
+        if candidates:
+            saved = run_dir / "config.yaml"
+            if saved.is_file() and _comparable(saved.read_text()) != _comparable(config_text):
+                    raise SpectrainError(f"{run_dir} holds an unfinished run with another config ({saved}); re-run "
+                                         "the same command to resume it, or pass --force to start over")
+            resume_from = str(max(candidates, key=_checkpoint_step))
+            print(f"resuming {run_dir} from {resume_from} (step {_checkpoint_step(Path(resume_from))})", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_text)
+    return resume_from
+
+
+def _checkpoint_step(path: Path) -> int:
+    """The global step a Lightning checkpoint was saved at; a clear error if the file is damaged."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, pickle of foreign classes, ...
+        raise SpectrainError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); delete it or pass "
+                             "--force to start over") from None
+    if not isinstance(checkpoint, dict) or "global_step" not in checkpoint or "spectrain" not in checkpoint:
+        raise SpectrainError(f"{path} is not a spectrain training checkpoint")
+    return int(checkpoint["global_step"])
 
 
 def close_loggers(trainer) -> None:

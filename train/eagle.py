@@ -75,11 +75,11 @@ class EagleModule(DrafterModule):
     # -- eagle3 draft vocabulary: counted over the loss-masked training tokens -----------------------------------
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.variant != "eagle3" or getattr(self, "_vocab_ready", False):
-            return
+        if self.variant != "eagle3" or getattr(self, "_vocab_ready", False) or self.init_from:
+            return  # an init_from drafter keeps its own d2t/t2d (its lm_head rows are ordered by them)
         data = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if data is not None and getattr(data, "train_set", None) is not None:
-            self.set_vocab_from(data.train_set)
+            self.set_vocab_from(data.vocab_rows() if hasattr(data, "vocab_rows") else data.train_set)
 
     def set_vocab_from(self, rows) -> None:
         """Build d2t/t2d from token frequencies of loss-masked tokens in ``rows`` and warm-start the lm_head."""

@@ -1,0 +1,102 @@
+"""``spectrain-export RUN_DIR --format F``: write a trained drafter in a serving engine's layout.
+
+Each export is written to a temporary directory, checked against the engine loader's expectations
+(every tensor name and shape, nothing missing or extra) and only then renamed into place; an existing
+output is kept unless ``--force``. Prints a table, writes ``<out>.json`` beside the export and prints
+its path last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import SpectrainError
+from .formats import FORMATS, METHOD_OF, export_drafter, import_drafter, validate_export, weights_file
+from .medusa import MedusaHeads, check_compatible
+from .report import finish, format_table
+from .verifier import load_verifier, resolve_dtype
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spectrain-export", description=__doc__.split("\n")[0])
+    p.add_argument("drafter", help="a train_medusa / train_eagle run directory (or any drafter directory "
+                                   "spectrain can import)")
+    p.add_argument("--format", dest="formats", action="append", choices=sorted(FORMATS), required=True,
+                   help="target layout; repeat for several: " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
+    p.add_argument("--out", default=None, help="output directory (one format) or parent directory (several); "
+                                               "default RUN_DIR/export/<format>")
+    p.add_argument("--force", action="store_true", help="replace an existing export")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="cast floating weights (default: as trained)")
+    p.add_argument("--verifier", default=None, help="verifier to read a shared lm_head from (default: the one "
+                                                    "recorded at training time)")
+    p.add_argument("--verifier_gguf_file", default=None)
+    p.add_argument("--verifier_name", default=None,
+                   help="verifier name written into the export (base_model_name_or_path, speculators' "
+                        "verifier.name_or_path); default: the recorded one, e.g. a hub id instead of a local dir")
+    p.add_argument("--speculative_tokens", type=int, default=None,
+                   help="speculators format: the proposal's default number of speculative tokens")
+    p.add_argument("--trust_remote_code", action="store_true")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Path:
+    drafter = import_drafter(args.drafter)
+    method = "medusa" if isinstance(drafter, MedusaHeads) else drafter.config.variant
+    for fmt in args.formats:  # check every requested format before writing any
+        if METHOD_OF[fmt] != method:
+            raise SpectrainError(f"format {fmt} holds {METHOD_OF[fmt]} drafters, but {args.drafter} holds {method}; "
+                                 f"formats for {method}: {', '.join(f for f, m in METHOD_OF.items() if m == method)}")
+    if args.speculative_tokens is not None and args.speculative_tokens < 1:
+        raise SpectrainError(f"--speculative_tokens must be >= 1, got {args.speculative_tokens}")
+    verifier_lm_head = None
+    if method == "medusa" and drafter.config.shared_lm_head:
+        name = args.verifier or drafter.config.verifier
+        if not name:
+            raise SpectrainError("these Medusa heads share the verifier's lm_head and no verifier is recorded: "
+                                 "pass --verifier")
+        verifier = load_verifier(name, gguf_file=args.verifier_gguf_file, dtype="float32",
+                                 trust_remote_code=args.trust_remote_code).model
+        verifier_lm_head = verifier.get_output_embeddings()
+        check_compatible(drafter.config.hidden_size, drafter.config.vocab_size, verifier, args.drafter)
+    dtype = resolve_dtype(args.dtype) if args.dtype else None
+    base = Path(args.drafter)
+    rows, records, notes = [], [], []
+    for fmt in args.formats:
+        if args.out and len(args.formats) == 1:
+            out = Path(args.out)
+        else:
+            out = (Path(args.out) if args.out else base / "export") / fmt
+        fmt_notes: list[str] = []
+        export_drafter(drafter, fmt, out, verifier_lm_head=verifier_lm_head, verifier_name=args.verifier_name or "",
+                       force=args.force, dtype=dtype, speculative_tokens=args.speculative_tokens, notes=fmt_notes)
+        expected = validate_export(out, fmt)
+        size = (out / weights_file(fmt)).stat().st_size
+        rows.append([fmt, str(out), len(expected), f"{size / 2**20:.2f}"])
+        records.append({"format": fmt, "engine": FORMATS[fmt], "path": str(out.resolve()), "tensors": len(expected),
+                        "bytes": size, "notes": fmt_notes})
+        notes += fmt_notes
+    table = format_table(["format", "directory", "tensors", "MiB"], rows,
+                         title=f"exported {method} drafter {args.drafter} (validated against each engine's loader)")
+    tables = [table] + (["notes:\n" + "\n".join(f"- {n}" for n in notes)] if notes else [])
+    summary = {"drafter": str(base.resolve()), "method": method, "exports": records}
+    if args.out and len(args.formats) == 1:
+        summary_path = Path(str(Path(args.out)) + ".json")  # beside the export: engines see only their files
+    else:
+        summary_path = (Path(args.out) if args.out else base / "export") / f"export-{'-'.join(args.formats)}.json"
+    return finish(summary, summary_path, tables)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except SpectrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Data-parallel training through Lightning's strategies: DDP on CPU (gloo) matches one process; FSDP units."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spectrain.train.strategies import drafter_wrap_policy, fsdp_units
+
+
+def run_train_medusa(*args):
+    """The real console script: Lightning's DDP launcher re-executes it once per extra rank."""
+    script = shutil.which("train_medusa")
+    if script is None:
+        pytest.skip("train_medusa console script not on PATH (install the package)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_ddp_two_processes_match_one(tmp_path, verifier_factory, text_file):
+    common = ["--model.verifier", str(verifier_factory("llama", False)), "--data.path", str(text_file),
+              "--data.block_size", "32", "--trainer.max_steps", "6", "--trainer.val_check_interval", "6",
+              "--trainer.limit_val_batches", "2", "--model.num_heads", "2", "--logger", "none"]
+    one = run_train_medusa(*common, "--data.batch_size", "8", "--run_dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_train_medusa(*common, "--data.batch_size", "4", "--trainer.devices", "2", "--trainer.accelerator",
+                           "cpu", "--trainer.strategy", "ddp", "--run_dir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "MEMBER: 2/2" in two.stdout + two.stderr and "gloo" in two.stdout + two.stderr
+    # Same global batch (rank r reads rows r, r+2, ... of the one-process order), averaged gradients.
+    a = load_file(str(tmp_path / "one" / "model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    s1 = json.loads((tmp_path / "one" / "summary.json").read_text())
+    s2 = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert s1["steps"] == s2["steps"] == 6
+    assert s2["trained_tokens"] * 2 == s1["trained_tokens"]  # each rank counts its own half
+    assert any(float(v.abs().max()) > 0 for k, v in a.items() if "blocks" in k)  # training moved the heads
+
+
+def test_fsdp_units_never_mix_frozen_and_trainable(verifier_factory):
+    from spectrain.train.eagle import EagleModule
+    from spectrain.train.medusa import MedusaModule
+
+    verifier = str(verifier_factory("llama", False, layers=3))
+    for module in (MedusaModule(verifier=verifier), EagleModule(variant="eagle3", verifier=verifier)):
+        units = fsdp_units(module)
+        names = [type(u).__name__ for u in units]
+        assert names.count("LlamaDecoderLayer") == 3 and sum(n in ("MedusaHeads", "EagleDrafter") for n in names) == 1
+        # Each parameter belongs to the innermost unit containing it; no unit may hold both kinds.
+        owner = {}
+        for unit in units:  # outer first, so inner units overwrite
+            for p in unit.parameters():
+                owner[id(p)] = id(unit)
+        for unit in units:
+            flags = {p.requires_grad for p in unit.parameters() if owner[id(p)] == id(unit)}
+            assert len(flags) <= 1, f"unit {type(unit).__name__} mixes frozen and trainable parameters"
+        assert drafter_wrap_policy(module.drafter, recurse=False) and not drafter_wrap_policy(module.drafter, recurse=True)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="runs the real FSDP check instead (see below)")
+def test_fsdp_needs_cuda_in_lightning(tmp_path, verifier_factory, text_file):
+    """Lightning's FSDP strategy refuses the CPU accelerator; say so clearly rather than pretend."""
+    proc = run_train_medusa("--model.verifier", str(verifier_factory("llama", False)), "--data.path", str(text_file),
+                            "--data.block_size", "32", "--trainer.max_steps", "2", "--trainer.devices", "2",
+                            "--trainer.accelerator", "cpu", "--trainer.strategy", "fsdp_drafter", "--logger", "none",
+                            "--run_dir", str(tmp_path / "fsdp"))
+    assert proc.returncode == 2 and "Lightning's FSDP needs CUDA devices" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "fsdp").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="Lightning's FSDP needs at least 2 CUDA devices here")
+def test_fsdp_drafter_strategy_trains_on_gpus(tmp_path, verifier_factory, text_file):
+    proc = run_train_medusa("--model.verifier", str(verifier_factory("llama", False)), "--data.path", str(text_file),
+                            "--data.block_size", "32", "--trainer.max_steps", "4", "--trainer.devices", "2",
+                            "--trainer.strategy", "fsdp_drafter", "--logger", "none", "--run_dir", str(tmp_path / "f"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "f" / "summary.json").is_file()

@@ -1,0 +1,88 @@
+"""Crash and resume: kill -9 mid-epoch, re-run the same command, get the uninterrupted result."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+# Runs train_eagle (EAGLE-1: its feature noise exercises the saved RNG state) in a fresh interpreter; with
+# CRASH_AT set, the process SIGKILLs itself right after that optimizer step (after the step's checkpoint, if
+# any, was written) — no cleanup, no atexit, exactly like `kill -9`.
+SCRIPT = """
+import os, signal, sys
+from spectrain.train.base import DrafterModule
+crash_at = int(os.environ.get("CRASH_AT", "0"))
+original = DrafterModule.on_train_batch_end
+def on_train_batch_end(self, outputs, batch, batch_idx):
+    original(self, outputs, batch, batch_idx)
+    if crash_at and self.trainer.global_step == crash_at:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+DrafterModule.on_train_batch_end = on_train_batch_end
+from spectrain.train.cli import train_eagle
+sys.argv = ["train_eagle"] + sys.argv[1:]
+train_eagle()
+"""
+
+
+def run(args, crash_at: int = 0):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "CRASH_AT": str(crash_at)}
+    return subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture
+def args_for(verifier_factory, text_file):
+    def make(run_dir: Path, *extra: str) -> list[str]:
+        return ["--model.variant", "eagle1", "--model.verifier", str(verifier_factory("llama", False)),
+                "--data.path", str(text_file), "--data.block_size", "32", "--data.batch_size", "4",
+                "--trainer.max_steps", "14", "--trainer.val_check_interval", "7", "--trainer.limit_val_batches", "2",
+                "--checkpoint_every", "4", "--run_dir", str(run_dir), "--logger", "csv", *extra]
+    return make
+
+
+def test_kill_9_then_rerun_matches_uninterrupted(tmp_path, args_for):
+    straight = run(args_for(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    crashed = run(args_for(tmp_path / "crashed"), crash_at=10)  # last resume checkpoint: step 8 (mid-epoch)
+    assert crashed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "crashed" / "summary.json").exists()
+    assert (tmp_path / "crashed" / "checkpoints" / "resume.ckpt").is_file()
+
+    resumed = run(args_for(tmp_path / "crashed"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout and "(step 8)" in resumed.stdout
+    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    b = load_file(str(tmp_path / "crashed" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    s1 = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    s2 = json.loads((tmp_path / "crashed" / "summary.json").read_text())
+    assert s1["steps"] == s2["steps"] == 14 and s1["trained_tokens"] == s2["trained_tokens"]
+    assert s1["tau_pred"] == pytest.approx(s2["tau_pred"], rel=1e-5)
+
+    # Finished: a re-run refuses to touch it; a different config refuses to resume an unfinished one.
+    again = run(args_for(tmp_path / "crashed"))
+    assert again.returncode == 2 and "holds a finished run" in again.stderr
+
+
+def test_changed_config_or_damaged_checkpoint_is_refused(tmp_path, args_for):
+    crashed = run(args_for(tmp_path / "r"), crash_at=5)
+    assert crashed.returncode == -signal.SIGKILL
+    other = run(args_for(tmp_path / "r", "--model.lr", "0.01"))
+    assert other.returncode == 2 and "unfinished run with another config" in other.stderr
+    ckpt = tmp_path / "r" / "checkpoints" / "resume.ckpt"
+    ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])  # a torn write (not ours: we rename)
+    damaged = run(args_for(tmp_path / "r"))
+    assert damaged.returncode == 2 and "cannot be read" in damaged.stderr and "Traceback" not in damaged.stderr
+    fresh = run(args_for(tmp_path / "r", "--force", "true"))
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
