@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from spectrain.heads.errors import SpectrainError
+from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.formats import import_drafter
 from spectrain.heads.medusa import MedusaHeads
 from spectrain.heads.report import finish, format_table
@@ -465,11 +465,7 @@ def write_plots(summary: dict, out_dir: Path) -> list[str]:
 
 
 def main(argv=None) -> None:
-    try:
-        evaluate(parse_args(argv))
-    except SpectrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_command(evaluate, parse_args(argv))
 
 
 if __name__ == "__main__":

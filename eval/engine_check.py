@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from spectrain.heads.eagle import EagleDrafter
-from spectrain.heads.errors import SpectrainError
+from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.formats import export_drafter, import_drafter
 from spectrain.heads.io import write_json
 from spectrain.heads.medusa import MedusaHeads
@@ -157,12 +156,7 @@ def strip_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    try:
-        run(args)
-    except SpectrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+    run_command(run, parse_args(argv))
 
 
 def run(args) -> Path:

@@ -9,10 +9,9 @@ its path last.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from .errors import SpectrainError
+from .errors import SpectrainError, run_command
 from .formats import FORMATS, METHOD_OF, export_drafter, import_drafter, validate_export, weights_file
 from .medusa import MedusaHeads, check_compatible
 from .report import finish, format_table
@@ -90,12 +89,7 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    try:
-        run(args)
-    except SpectrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+    run_command(run, parse_args(argv))
 
 
 if __name__ == "__main__":

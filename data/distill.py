@@ -1,0 +1,190 @@
+"""``spectrain-distill``: regenerate the assistant turns of a chat dataset with the verifier (self-distillation).
+
+Drafters accept more when they learn the verifier's own outputs rather than some other model's (the data
+recipe of Medusa and EAGLE-3). This takes prompts from ShareGPT / ``messages`` / Alpaca / MT-bench-style
+files, keeps the user turns (the first ``--max_turns``), and has the verifier answer each one in turn — a
+later turn sees the verifier's earlier answers — in batches (left-padded ``generate()``), greedy or sampled.
+
+Output: ShareGPT-style JSONL, one row per source conversation: ``{"id", "conversations": [{"from": "human" |
+"gpt" | "system", "value"}], "generation": {settings}}`` plus ``OUT.meta.json`` with the settings. Resumable:
+rows are appended a batch at a time and synced; a rerun with the same settings reads what is there (a torn last
+line from a crash is dropped), skips finished ids and continues — no row is lost or written twice. Other settings
+on an existing output are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from spectrain.heads.errors import SpectrainError, run_command
+from spectrain.heads.io import write_json
+from spectrain.heads.report import finish, format_table
+
+ROLE_TO_SHAREGPT = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+def prompts_of(record: dict, max_turns: int) -> tuple[str | None, list[str]]:
+    """(system prompt or None, the first ``max_turns`` user turns) of any supported chat record."""
+    from .chat import _normalise
+
+    messages = _normalise(record)
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    users = [m["content"] for m in messages if m["role"] == "user" and m["content"].strip()]
+    return system, users[:max_turns]
+
+
+def read_done(out: Path) -> set[int]:
+    """Ids already written; truncates a torn last line (a crash mid-write) so appends stay valid JSONL."""
+    if not out.is_file():
+        return set()
+    data = out.read_bytes()
+    keep = data if data.endswith(b"\n") or not data else data[:data.rfind(b"\n") + 1]
+    if len(keep) != len(data):
+        with open(out, "r+b") as f:
+            f.truncate(len(keep))
+    done = set()
+    for i, line in enumerate(keep.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                done.add(int(json.loads(line)["id"]))
+            except (json.JSONDecodeError, KeyError, ValueError):
+                raise SpectrainError(f"{out}, line {i}: not a spectrain-distill row; use another --out") from None
+    return done
+
+
+@torch.no_grad()
+def answer_batch(model, tokenizer, histories: list[list[dict]], max_new_tokens: int, temperature: float,
+                 generator_seed: int) -> list[str]:
+    """One generated assistant reply per chat history (batched, left-padded)."""
+    prompts = [tokenizer.apply_chat_template(h, add_generation_prompt=True, tokenize=False) for h in histories]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    kwargs = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_p": 1.0,
+                                                            "top_k": 0}
+    torch.manual_seed(generator_seed)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
+    return [tokenizer.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for row in out]
+
+
+def distill(verifier, records: list[dict], out: Path, settings: dict, batch_size: int, log=print) -> dict:
+    """Generate for every record not yet in ``out``; returns counts."""
+    model, tokenizer = verifier.model, verifier.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpectrainError(f"verifier {settings['verifier']} has no chat template: self-distillation needs one")
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    meta_path = out.with_name(out.name + ".meta.json")
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        if old != settings:
+            raise SpectrainError(f"{out} was generated with other settings ({meta_path}); use another --out")
+    elif out.is_file() and out.stat().st_size:
+        raise SpectrainError(f"{out} exists without {meta_path.name}: not a spectrain-distill output; use another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(meta_path, settings)
+    done = read_done(out)
+    todo = []
+    skipped = 0
+    for i, record in enumerate(records):
+        if i in done:
+            continue
+        system, users = prompts_of(record, settings["max_turns"])
+        if users:
+            todo.append((i, system, users))
+        else:
+            skipped += 1
+    t0, tokens, written = time.time(), 0, 0
+    with open(out, "a", encoding="utf-8") as f:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b:b + batch_size]
+            histories = [([{"role": "system", "content": s}] if s else []) for _, s, _ in batch]
+            for turn in range(max(len(u) for _, _, u in batch)):
+                active = [j for j, (_, _, u) in enumerate(batch) if turn < len(u)]
+                for j in active:
+                    histories[j].append({"role": "user", "content": batch[j][2][turn]})
+                replies = answer_batch(model, tokenizer, [histories[j] for j in active], settings["max_new_tokens"],
+                                       settings["temperature"], settings["seed"] + batch[0][0] * 1000 + turn)
+                for j, reply in zip(active, replies):
+                    histories[j].append({"role": "assistant", "content": reply})
+                    tokens += len(tokenizer(reply, add_special_tokens=False)["input_ids"])
+            for (i, _, _), history in zip(batch, histories):
+                row = {"id": i, "conversations": [{"from": ROLE_TO_SHAREGPT[m["role"]], "value": m["content"]}
+                                                  for m in history], "generation": settings}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # a batch is either on disk whole or (torn last line) dropped on resume
+            written += len(batch)
+            log(f"distill: {len(done) + written}/{len(records) - skipped} conversations, "
+                f"{tokens / max(time.time() - t0, 1e-9):.1f} generated tokens/s")
+    return {"already_done": len(done), "written": written, "skipped_without_user_turn": skipped,
+            "generated_tokens": tokens, "seconds": round(time.time() - t0, 1)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spectrain-distill", description=__doc__.split("\n")[0])
+    p.add_argument("--verifier", default="bundled:smollm2")
+    p.add_argument("--gguf_file", default=None)
+    p.add_argument("--data", required=True, nargs="+", help="chat files (ShareGPT, messages, Alpaca, MT-bench turns)")
+    p.add_argument("--limit", type=int, nargs="+", default=None,
+                   help="first N conversations of each --data file (one number per file, or one for all)")
+    p.add_argument("--out", required=True, help="output .jsonl (ShareGPT rows)")
+    p.add_argument("--max_turns", type=int, default=2, help="user turns kept per conversation")
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto")
+    return p.parse_args(argv)
+
+
+def run(args) -> Path:
+    from spectrain.heads.verifier import load_verifier, resolve_dtype
+
+    from .chat import load_records
+
+    for key in ("max_turns", "max_new_tokens", "batch_size"):
+        if getattr(args, key) < 1:
+            raise SpectrainError(f"--{key} must be >= 1, got {getattr(args, key)}")
+    if args.temperature < 0:
+        raise SpectrainError(f"--temperature must be >= 0, got {args.temperature}")
+    limits = args.limit or [None]
+    if len(limits) not in (1, len(args.data)):
+        raise SpectrainError(f"--limit takes one number or one per --data file ({len(args.data)}), got {len(limits)}")
+    records = []
+    for k, path in enumerate(args.data):
+        rows = load_records(path)
+        limit = limits[k] if len(limits) > 1 else limits[0]
+        records += rows[:limit] if limit else rows
+    if not records:
+        raise SpectrainError("no conversations in --data")
+    settings = {"verifier": args.verifier, "data": [str(Path(d).name) for d in args.data], "limit": args.limit,
+                "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "seed": args.seed}
+    verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, device=args.device,
+                             dtype=resolve_dtype(args.dtype, args.device))
+    out = Path(args.out)
+    counts = distill(verifier, records, out, settings, args.batch_size)
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
+    ids = [r["id"] for r in rows]
+    summary = {**counts, "rows": len(rows), "unique_ids": len(set(ids)), "out": str(out.resolve()), **settings}
+    table = format_table(["", "value"], [["rows in output", len(rows)], ["written this run", counts["written"]],
+                                         ["already there", counts["already_done"]],
+                                         ["generated tokens/s", round(counts["generated_tokens"] /
+                                                                      max(counts["seconds"], 1e-9), 1)]],
+                         title=f"self-distillation with {args.verifier} -> {out}")
+    return finish(summary, out.with_name(out.name + ".summary.json"), [table])
+
+
+def main(argv=None) -> None:
+    run_command(run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
