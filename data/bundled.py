@@ -87,6 +87,12 @@ def cache_root() -> Path:
 
 
 def bundled_verifier_dir(name: str = "tinyshakespeare") -> Path:
+    if name == "smollm2":
+        from .smollm2 import smollm2_dir
+
+        return smollm2_dir()
+    if name not in RECIPES:
+        raise SpectrainError(f"unknown bundled verifier {name!r}; available: {sorted(RECIPES) + ['smollm2']}")
     recipe = RECIPES[name]
     return cache_root() / "verifiers" / f"{name}-llama-v{recipe.version}"
 

