@@ -73,7 +73,11 @@ def our_tau(args, verifier_dir: str, method: str, drafter_dir: Path, prompts: Pa
             str(drafter_dir), "--prompts", str(prompts), "--num_prompts", str(args.num_prompts), "--max_new_tokens",
             str(args.max_new_tokens), "--k", str(args.k), "--chat_template", "on", "--hf_generate", "0",
             "--dtype", "float32", "--device", "cpu", "--out", str(out), "--allow_verifier_mismatch"]
-    summary = json.loads(Path(evaluate(eval_args(argv))).read_text())
+    cached = out / "eval.json"
+    summary = json.loads(cached.read_text()) if cached.is_file() else None
+    if not (summary and summary.get("drafter") == str(drafter_dir) and summary.get("max_new_tokens") == args.max_new_tokens
+            and summary.get("num_prompts") == args.num_prompts and f"chain-{args.k}" in summary.get("results", {})):
+        summary = json.loads(Path(evaluate(eval_args(argv))).read_text())  # else: resume, reuse this row
     chain = summary["results"][f"chain-{args.k}"]
     ar = summary["per_prompt"]["ar"]
     return {"tau": chain["tau"], "identical_to_ar": chain["identical_to_ar"],
@@ -139,6 +143,7 @@ def predicted_acceptance(outputs: list[list[int]], token: int, k: int, eos: set[
 
 # -- the check --------------------------------------------------------------------------------------------------
 def run_vllm(args, job: dict, out: Path) -> list[dict]:
+    out = out.resolve()  # the runner runs with cwd=out
     job_path, result_path = out / "vllm_job.json", out / "vllm_results.json"
     write_json(job_path, job)
     runner = Path(__file__).with_name("vllm_runner.py")
@@ -201,7 +206,7 @@ def run(args) -> Path:
     prompt_ids = next(iter(ours.values()))["prompt_ids"] if ours else None
     if prompt_ids is None:
         raise SpectrainError("nothing to check: pass --drafter or drop --no_controls")
-    job = {"target": verifier_dir, "prompt_token_ids": prompt_ids, "max_tokens": args.max_new_tokens,
+    job = {"target": str(Path(verifier_dir).resolve()), "prompt_token_ids": prompt_ids, "max_tokens": args.max_new_tokens,
            "dtype": "float32", "runs": [{"name": "baseline", "speculative_config": None}] + [
                {"name": name, "speculative_config": {"method": VLLM_METHOD[method], "model": str(export.resolve()),
                                                       "num_speculative_tokens": args.k}}
