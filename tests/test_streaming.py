@@ -97,3 +97,23 @@ def test_training_reads_only_what_it_streams(tmp_path, verifier_factory):
     assert summary["steps"] == 4
     read = int(proc.stderr.split("RCHAR ")[1].split()[0])
     assert read < corpus.stat().st_size / 3, f"read {read} bytes of a {corpus.stat().st_size}-byte corpus"
+
+
+def test_hf_dataset_streams_documents_joined_by_eos(tmp_path, verifier_factory):
+    """A local HF dataset (a directory of JSONL files) read with load_dataset(streaming=True), never materialized."""
+    data = tmp_path / "hfdata"
+    data.mkdir()
+    docs = [f"the king {i} sat on the green hill and the queen spoke of the night" for i in range(60)]
+    (data / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    dm = DrafterDataModule(path=str(data), format="hf", tokenizer=str(verifier_factory("llama", False)),
+                           block_size=16, batch_size=2, streaming=True)
+    dm.setup()
+    tok = dm.tokenizer
+    val_every = round(1 / dm.val_fraction)
+    expected = []
+    for i, d in enumerate(docs):
+        if i % val_every != val_every - 1:
+            expected += tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    blocks = [b["input_ids"] for b in dm.train_set]
+    assert blocks and [t for b in blocks for t in b] == expected[:len(blocks) * 16]
+    assert sum(b.count(tok.eos_token_id) for b in blocks) >= 10  # documents are separated, not run together
