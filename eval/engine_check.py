@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from spectrain.heads.eagle import EagleDrafter
+from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.formats import export_drafter, import_drafter
+from spectrain.heads.formats import export_drafter, import_drafter, method_of
 from spectrain.heads.io import write_json
 from spectrain.heads.medusa import MedusaHeads
 from spectrain.heads.report import finish, format_table
@@ -114,15 +114,13 @@ def eagle3_control(verifier, token: int) -> EagleDrafter:
     counts[token:token + 1024] = 1  # draft ids are sorted by target id: draft id 0 is `token`
     if token + 1024 > V:
         raise SpectrainError(f"control token {token} too close to the end of the vocabulary")
-    from spectrain.heads.eagle import build_vocab_map
-
     drafter.set_vocab_map(*build_vocab_map(counts, 1024))
     with torch.no_grad():
         drafter.lm_head.weight.zero_()
     return drafter
 
 
-def predicted_acceptance(outputs: list[list[int]], token: int, k: int, eos: set[int]) -> dict:
+def predicted_acceptance(outputs: list[list[int]], token: int, k: int) -> dict:
     """Drafts and accepted tokens of a drafter that always proposes ``k`` copies of ``token``.
 
     Round r verifies positions p .. p+k-1 of the final output (p = 1 after the prefill token); it accepts the
@@ -180,7 +178,7 @@ def run(args) -> Path:
             raise SpectrainError(f"--drafter expects NAME=DIR, got {spec!r}")
         name, path = spec.split("=", 1)
         drafter = import_drafter(path, verifier_model=verifier)
-        method = "medusa" if isinstance(drafter, MedusaHeads) else drafter.config.variant
+        method = method_of(drafter)
         if method == "medusa" and drafter.config.num_heads < args.k:
             raise SpectrainError(f"{name}: {drafter.config.num_heads} Medusa heads cannot draft a chain of {args.k}")
         export = out / "exports" / name
@@ -236,7 +234,7 @@ def run(args) -> Path:
                       prompts=len(base["token_ids"]), counters=r["counters"], accepted_per_pos=r["accepted_per_pos"],
                       generate_seconds=r["generate_seconds"])
         if "control_token" in info:
-            predicted = predicted_acceptance(base["token_ids"], token, args.k, eos)
+            predicted = predicted_acceptance(base["token_ids"], token, args.k)
             record["predicted"] = predicted
             hit = predicted["num_accepted_tokens"] == r["counters"].get("num_accepted_tokens")
             record["prediction_matches"] = hit

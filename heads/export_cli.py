@@ -12,8 +12,10 @@ import argparse
 from pathlib import Path
 
 from .errors import SpectrainError, run_command
-from .formats import FORMATS, METHOD_OF, export_drafter, import_drafter, validate_export, weights_file
-from .medusa import MedusaHeads, check_compatible
+from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, method_of,
+                      weights_file)
+from .io import read_json
+from .medusa import check_compatible
 from .report import finish, format_table
 from .verifier import load_verifier, resolve_dtype
 
@@ -43,11 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> Path:
     drafter = import_drafter(args.drafter)
-    method = "medusa" if isinstance(drafter, MedusaHeads) else drafter.config.variant
+    method = method_of(drafter)
     for fmt in args.formats:  # check every requested format before writing any
-        if METHOD_OF[fmt] != method:
-            raise SpectrainError(f"format {fmt} holds {METHOD_OF[fmt]} drafters, but {args.drafter} holds {method}; "
-                                 f"formats for {method}: {', '.join(f for f, m in METHOD_OF.items() if m == method)}")
+        check_format_for(drafter, fmt)
     if args.speculative_tokens is not None and args.speculative_tokens < 1:
         raise SpectrainError(f"--speculative_tokens must be >= 1, got {args.speculative_tokens}")
     verifier_lm_head = None
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> Path:
         fmt_notes: list[str] = []
         export_drafter(drafter, fmt, out, verifier_lm_head=verifier_lm_head, verifier_name=args.verifier_name or "",
                        force=args.force, dtype=dtype, speculative_tokens=args.speculative_tokens, notes=fmt_notes)
-        expected = validate_export(out, fmt)
+        expected = expected_tensors(fmt, read_json(out / "config.json"))  # export_drafter validated them
         size = (out / weights_file(fmt)).stat().st_size
         rows.append([fmt, str(out), len(expected), f"{size / 2**20:.2f}"])
         records.append({"format": fmt, "engine": FORMATS[fmt], "path": str(out.resolve()), "tensors": len(expected),

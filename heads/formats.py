@@ -193,18 +193,25 @@ def validate_export(path: str | Path, fmt: str) -> dict[str, tuple[int, ...]]:
 
 
 # -- export ---------------------------------------------------------------------------------------------------
+def method_of(drafter) -> str:
+    return "medusa" if isinstance(drafter, MedusaHeads) else drafter.config.variant
+
+
+def check_format_for(drafter, fmt: str) -> str:
+    """Raise unless ``fmt`` is a format for this drafter's method; returns the method."""
+    if fmt not in FORMATS:
+        raise SpectrainError(f"unknown export format {fmt!r}; expected one of {', '.join(sorted(FORMATS))}")
+    have = method_of(drafter)
+    if METHOD_OF[fmt] != have:
+        raise SpectrainError(f"format {fmt} holds {METHOD_OF[fmt]} drafters, but this run trained {have}; "
+                             f"formats for {have}: {', '.join(f for f, m in METHOD_OF.items() if m == have)}")
+    return have
 def export_tensors(drafter, fmt: str, verifier_lm_head: torch.nn.Module | None = None,
                    verifier_name: str = "", speculative_tokens: int | None = None,
                    notes: list[str] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, tensors) of ``drafter`` in ``fmt``; ``notes`` collects what the user should know."""
     notes = notes if notes is not None else []
-    if fmt not in FORMATS:
-        raise SpectrainError(f"unknown export format {fmt!r}; expected one of {', '.join(sorted(FORMATS))}")
-    method = METHOD_OF[fmt]
-    have = "medusa" if isinstance(drafter, MedusaHeads) else drafter.config.variant
-    if have != method:
-        raise SpectrainError(f"format {fmt} holds {method} drafters, but this run trained {have}; "
-                             f"formats for {have}: {', '.join(f for f, m in METHOD_OF.items() if m == have)}")
+    method = check_format_for(drafter, fmt)
     if method == "medusa":
         return _export_medusa(drafter, fmt, verifier_lm_head, verifier_name, notes)
     return _export_eagle(drafter, fmt, verifier_name, speculative_tokens)
@@ -486,11 +493,3 @@ def _import_eagle(fmt, config, tensors, ours, verifier_model, path):
         check_vocab_map(state["d2t"], state["t2d"], ec.vocab_size, ec.draft_vocab_size)
     drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return drafter
-
-
-def describe(path: str | Path) -> str:
-    """One line naming the format of a drafter directory (for logs and errors)."""
-    fmt = detect_format(path)
-    return f"{path} ({'spectrain' if fmt == 'spectrain' else FORMATS[fmt]})"
-
-

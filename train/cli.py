@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import sys
 import time
@@ -192,8 +193,6 @@ def prepare_run_dir(cli: SpectrainCLI) -> str | None:
     resume_from = None
     if force:
         (run_dir / "summary.json").unlink(missing_ok=True)  # the old run is no longer finished
-        import shutil
-
         shutil.rmtree(checkpoints, ignore_errors=True)
     elif checkpoints.is_dir():
         candidates = [p for p in (checkpoints / "resume.ckpt", checkpoints / "last.ckpt") if p.is_file()]
@@ -202,8 +201,10 @@ def prepare_run_dir(cli: SpectrainCLI) -> str | None:
             if saved.is_file() and _comparable(saved.read_text()) != _comparable(config_text):
                     raise SpectrainError(f"{run_dir} holds an unfinished run with another config ({saved}); re-run "
                                          "the same command to resume it, or pass --force to start over")
-            resume_from = str(max(candidates, key=_checkpoint_step))
-            print(f"resuming {run_dir} from {resume_from} (step {_checkpoint_step(Path(resume_from))})", flush=True)
+            steps = {path: _checkpoint_step(path) for path in candidates}  # also proves each is readable
+            best = max(steps, key=steps.get)
+            resume_from = str(best)
+            print(f"resuming {run_dir} from {resume_from} (step {steps[best]})", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_text)
     return resume_from
