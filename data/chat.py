@@ -91,7 +91,8 @@ def _parse_json(text: str, path: str) -> list[dict]:
 def _parse_jsonl(text: str, path: str) -> list[dict]:
     """Records of a one-object-per-line file; errors give the 1-based line number."""
     records = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # JSON lines end at "\n" only: str.splitlines() would also cut at U+2028, U+0085, \x1c... inside strings.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -211,7 +211,8 @@ class DrafterDataModule(L.LightningDataModule):
             os.replace(tmp, cache)  # complete or absent: never half a cache
             ds = datasets.load_from_disk(str(cache))
         if self.skipped:
-            log.warning("%s: skipped %d conversation(s) with no assistant turn", path, self.skipped)
+            log.warning("%s: skipped %d conversation(s) with no assistant turn, or whose assistant turns all fall "
+                        "beyond block_size=%d tokens", path, self.skipped, self.block_size)
         return self._split(ds)
 
     def _chat_cache_dir(self, path) -> Path:
@@ -266,7 +267,9 @@ class DrafterDataModule(L.LightningDataModule):
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Right-pad to the longest row; pads get attention 0 and loss 0. Store rows are stacked as they are."""
         if "hidden" in rows[0]:
-            return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+            from .store import collate_store
+
+            return collate_store(rows)
         length = max(len(r["input_ids"]) for r in rows)
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else 0
         input_ids = torch.full((len(rows), length), pad, dtype=torch.long)

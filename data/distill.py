@@ -3,7 +3,9 @@
 Drafters accept more when they learn the verifier's own outputs rather than some other model's (the data
 recipe of Medusa and EAGLE-3). This takes prompts from ShareGPT / ``messages`` / Alpaca / MT-bench-style
 files, keeps the user turns (the first ``--max_turns``), and has the verifier answer each one in turn — a
-later turn sees the verifier's earlier answers — in batches (left-padded ``generate()``), greedy or sampled.
+later turn sees the verifier's earlier answers — in batches (left-padded ``generate()``, similar prompt lengths together), greedy or sampled.
+``--responses original`` writes the raw twin instead: the same conversations and turns with the dataset's own
+replies cut at the same token cap, so raw and self-distilled training sets differ only in who wrote the replies.
 
 Output: ShareGPT-style JSONL, one row per source conversation: ``{"id", "conversations": [{"from": "human" |
 "gpt" | "system", "value"}], "generation": {settings}}`` plus ``OUT.meta.json`` with the settings. Resumable:
@@ -31,12 +33,31 @@ ROLE_TO_SHAREGPT = {"user": "human", "assistant": "gpt", "system": "system"}
 
 def prompts_of(record: dict, max_turns: int) -> tuple[str | None, list[str]]:
     """(system prompt or None, the first ``max_turns`` user turns) of any supported chat record."""
+    system, pairs = turns_of(record, max_turns)
+    return system, [user for user, _ in pairs]
+
+
+def turns_of(record: dict, max_turns: int) -> tuple[str | None, list[tuple[str, str]]]:
+    """(system prompt or None, the first ``max_turns`` (user turn, the dataset's reply to it or "") pairs)."""
     from .chat import _normalise
 
     messages = _normalise(record)
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
-    users = [m["content"] for m in messages if m["role"] == "user" and m["content"].strip()]
-    return system, users[:max_turns]
+    pairs = []
+    for i, m in enumerate(messages):
+        if m["role"] == "user" and m["content"].strip():
+            nxt = messages[i + 1] if i + 1 < len(messages) else None
+            pairs.append((m["content"], nxt["content"] if nxt and nxt["role"] == "assistant" else ""))
+    return system, pairs[:max_turns]
+
+
+def original_replies(tokenizer, replies: list[str], max_new_tokens: int) -> list[str]:
+    """The dataset's own replies cut at ``max_new_tokens`` verifier tokens (the raw twin of a distilled set)."""
+    out = []
+    for reply in replies:
+        ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+        out.append(reply if len(ids) <= max_new_tokens else tokenizer.decode(ids[:max_new_tokens]).strip())
+    return out
 
 
 def read_done(out: Path) -> set[int]:
@@ -49,7 +70,7 @@ def read_done(out: Path) -> set[int]:
         with open(out, "r+b") as f:
             f.truncate(len(keep))
     done = set()
-    for i, line in enumerate(keep.decode("utf-8").splitlines(), 1):
+    for i, line in enumerate(keep.decode("utf-8").split("\n"), 1):
         if line.strip():
             try:
                 done.add(int(json.loads(line)["id"]))
@@ -74,6 +95,7 @@ def answer_batch(model, tokenizer, histories: list[list[dict]], max_new_tokens: 
 def distill(verifier, records: list[dict], out: Path, settings: dict, batch_size: int, log=print) -> dict:
     """Generate for every record not yet in ``out``; returns counts."""
     model, tokenizer = verifier.model, verifier.tokenizer
+    original = settings.get("responses") == "original"
     if not getattr(tokenizer, "chat_template", None):
         raise SpectrainError(f"verifier {settings['verifier']} has no chat template: self-distillation needs one")
     tokenizer.padding_side = "left"
@@ -92,13 +114,15 @@ def distill(verifier, records: list[dict], out: Path, settings: dict, batch_size
     todo = []
     skipped = 0
     for i, record in enumerate(records):
-        if i in done:
-            continue
-        system, users = prompts_of(record, settings["max_turns"])
-        if users:
-            todo.append((i, system, users))
-        else:
+        system, pairs = turns_of(record, settings["max_turns"])
+        if original and any(not reply.strip() for _, reply in pairs):
+            pairs = pairs[:next(k for k, (_, reply) in enumerate(pairs) if not reply.strip())]
+        if not pairs:
             skipped += 1
+        elif i not in done:
+            todo.append((i, system, pairs))
+    # Similar prompt lengths share a batch: left padding to the longest prompt is wasted compute.
+    todo.sort(key=lambda item: (len(item[2][0][0]), item[0]))
     t0, tokens, written = time.time(), 0, 0
     with open(out, "a", encoding="utf-8") as f:
         for b in range(0, len(todo), batch_size):
@@ -107,9 +131,14 @@ def distill(verifier, records: list[dict], out: Path, settings: dict, batch_size
             for turn in range(max(len(u) for _, _, u in batch)):
                 active = [j for j, (_, _, u) in enumerate(batch) if turn < len(u)]
                 for j in active:
-                    histories[j].append({"role": "user", "content": batch[j][2][turn]})
-                replies = answer_batch(model, tokenizer, [histories[j] for j in active], settings["max_new_tokens"],
-                                       settings["temperature"], settings["seed"] + batch[0][0] * 1000 + turn)
+                    histories[j].append({"role": "user", "content": batch[j][2][turn][0]})
+                if original:
+                    replies = original_replies(tokenizer, [batch[j][2][turn][1] for j in active],
+                                               settings["max_new_tokens"])
+                else:
+                    replies = answer_batch(model, tokenizer, [histories[j] for j in active],
+                                           settings["max_new_tokens"], settings["temperature"],
+                                           settings["seed"] + batch[0][0] * 1000 + turn)
                 for j, reply in zip(active, replies):
                     histories[j].append({"role": "assistant", "content": reply})
                     tokens += len(tokenizer(reply, add_special_tokens=False)["input_ids"])
@@ -137,6 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_turns", type=int, default=2, help="user turns kept per conversation")
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--responses", default="verifier", choices=["verifier", "original"],
+                   help="verifier: regenerate the replies (self-distillation); original: keep the dataset's replies "
+                        "cut at --max_new_tokens tokens (the raw twin: same conversations, same turns, same cap)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -167,11 +199,13 @@ def run(args) -> Path:
     settings = {"verifier": args.verifier, "data": [str(Path(d).name) for d in args.data], "limit": args.limit,
                 "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "seed": args.seed}
+    if args.responses == "original":  # nothing is generated: temperature and seed do not apply
+        settings.update(responses="original", temperature=None, seed=None)
     verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, device=args.device,
                              dtype=resolve_dtype(args.dtype, args.device))
     out = Path(args.out)
     counts = distill(verifier, records, out, settings, args.batch_size)
-    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").split("\n") if line.strip()]
     ids = [r["id"] for r in rows]
     summary = {**counts, "rows": len(rows), "unique_ids": len(set(ids)), "out": str(out.resolve()), **settings}
     table = format_table(["", "value"], [["rows in output", len(rows)], ["written this run", counts["written"]],

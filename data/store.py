@@ -198,7 +198,14 @@ class HiddenStateStore(torch.utils.data.Dataset):
 
 
 def collate_store(rows: list[dict]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    """Stack store rows, right-padding with zeros (attention and loss 0) to the longest: each shard is padded only
+    to its own longest row, so rows from different shards differ in length."""
+    length = max(r["input_ids"].shape[0] for r in rows)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, length - t.shape[0]))
+
+    return {k: torch.stack([padded(r[k]) for r in rows]) for k in rows[0]}
 
 
 def main(argv=None) -> None:

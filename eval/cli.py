@@ -188,12 +188,17 @@ def run_prompts(runner, drafter, prompts, tokenizer, use_template, args, samplin
             gen = generate(runner, drafter, ids, args.max_new_tokens, sampling, eos, generator)
             answer = tokenizer.decode(gen.tokens, skip_special_tokens=True)
             history.append({"role": "assistant", "content": answer})
-            record["turns"].append({"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "stop": gen.stop,
-                                    "accept_lengths": gen.accept_lengths, "emitted_per_round": gen.emitted_per_round,
-                                    "prefill_seconds": gen.prefill_seconds, "decode_seconds": gen.decode_seconds,
-                                    "tokens": gen.tokens, "sequence": ids + gen.tokens})
+            record["turns"].append(turn_record(ids, gen))
         records.append(record)
     return records
+
+
+def turn_record(ids: list[int], gen) -> dict:
+    """One generated turn as the summaries read it."""
+    return {"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "stop": gen.stop,
+            "accept_lengths": gen.accept_lengths, "emitted_per_round": gen.emitted_per_round,
+            "prefill_seconds": gen.prefill_seconds, "decode_seconds": gen.decode_seconds,
+            "tokens": gen.tokens, "sequence": ids + gen.tokens}
 
 
 def summarize(records: list[dict], depth: int) -> dict:

@@ -232,3 +232,12 @@ def test_top_level_not_list_of_objects(tmp_path, content):
     (tmp_path / "shape.json").write_text(content)
     with pytest.raises(SpectrainError, match=r"shape\.json"):
         load_records(str(tmp_path / "shape.json"))
+
+
+def test_jsonl_lines_end_at_newline_only(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028 / U+0085 raw inside strings; they must not split a row."""
+    rows = [{"conversations": [{"from": "human", "value": "a\u2028b\x85c\x1cd"}, {"from": "gpt", "value": "ok\u2029"}]},
+            {"conversations": [{"from": "human", "value": "second"}, {"from": "gpt", "value": "fine"}]}]
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert load_records(str(path)) == rows

@@ -36,7 +36,8 @@ def test_generates_two_turns_per_conversation(tmp_path, setup):
     counts = distill(verifier, records, out, SETTINGS, batch_size=4, log=lambda *_: None)
     rows = rows_of(out)
     assert counts["written"] == 10 and counts["skipped_without_user_turn"] == 1
-    assert [r["id"] for r in rows] == list(range(10))
+    assert sorted(r["id"] for r in rows) == list(range(10))  # written in prompt-length order
+    rows = sorted(rows, key=lambda r: r["id"])
     for r in rows:
         roles = [t["from"] for t in r["conversations"]]
         assert roles == ["human", "gpt", "human", "gpt"] and r["generation"] == SETTINGS
@@ -75,3 +76,27 @@ def test_resume_after_a_crash_loses_and_doubles_nothing(tmp_path, setup, monkeyp
 
     with pytest.raises(SpectrainError, match="other settings"):
         distill(verifier, records, out, {**SETTINGS, "temperature": 1.0}, batch_size=4, log=lambda *_: None)
+
+
+def test_original_responses_are_the_raw_twin(tmp_path, setup):
+    """--responses original: the same conversations and turns, the dataset's replies cut at the token cap."""
+    verifier, records = setup
+    tok = verifier.tokenizer
+    records = [dict(r) for r in records]
+    long_reply = " ".join(["word"] * 100)
+    records[0] = {"conversations": [{"from": "human", "value": "first question"}, {"from": "gpt", "value": long_reply},
+                                    {"from": "human", "value": "second question"}, {"from": "gpt", "value": "short"},
+                                    {"from": "human", "value": "third turn, beyond max_turns"},
+                                    {"from": "gpt", "value": "dropped"}]}
+    settings = {**SETTINGS, "max_new_tokens": 30, "responses": "original", "temperature": None, "seed": None}
+    out = tmp_path / "raw.jsonl"
+    distill(verifier, records, out, settings, batch_size=4, log=lambda *_: None)
+    rows = {r["id"]: r for r in rows_of(out)}
+    first = [t["value"] for t in rows[0]["conversations"]]
+    assert first[0] == "first question" and first[2] == "second question" and first[3] == "short"
+    assert len(first) == 4 and "dropped" not in json.dumps(rows[0])
+    assert len(tok(first[1], add_special_tokens=False)["input_ids"]) <= 30 and long_reply.startswith(first[1])
+    # Short replies are kept verbatim; a turn without a reply ends the conversation; no reply at all: skipped.
+    assert sorted(rows) == list(range(9))
+    for i in range(1, 9):
+        assert [t["value"] for t in rows[i]["conversations"]] == [f"tell me of the king {i}", "an old answer we replace"]

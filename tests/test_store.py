@@ -131,3 +131,17 @@ def test_data_parallel_extraction_equals_one_process(setup, tmp_path):
             assert torch.equal(one[i][key], two[i][key])
     with pytest.raises(SpectrainError, match="outside a world"):
         extract(verifier, data.train_set, tmp_path / "x", (1,), "corpus", rank=2, world=2)
+
+
+def test_rows_from_shards_of_different_lengths_batch_together():
+    """Each shard is padded to its own longest row: a batch across shards pads again, with masks 0 on the pad."""
+    from spectrain.data.store import collate_store
+
+    def row(n):
+        return {"input_ids": torch.arange(1, n + 1), "attention_mask": torch.ones(n, dtype=torch.uint8),
+                "loss_mask": torch.ones(n, dtype=torch.uint8), "hidden": torch.ones(n, 4), "aux": torch.ones(n, 8)}
+
+    batch = collate_store([row(3), row(5)])
+    assert batch["hidden"].shape == (2, 5, 4) and batch["aux"].shape == (2, 5, 8)
+    assert batch["attention_mask"][0].tolist() == [1, 1, 1, 0, 0] and batch["loss_mask"][0, 3:].sum() == 0
+    assert batch["input_ids"][0].tolist() == [1, 2, 3, 0, 0] and batch["hidden"][0, 3:].abs().sum() == 0

@@ -1,0 +1,140 @@
+"""spectrain-results: every row measured once, lossless at T=0, resumable after a kill, stale rows redone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import spectrain.eval.results as results_mod
+from spectrain.eval.results import load_set, parse_args, results
+from spectrain.heads.eagle import EagleDrafter
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.verifier import load_verifier
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, verifier_factory):
+    root = tmp_path_factory.mktemp("results")
+    verifier_dir = verifier_factory("llama", False)
+    model = load_verifier(str(verifier_dir)).model
+    MedusaHeads.for_verifier(model, num_heads=3, verifier_name=str(verifier_dir)).save_pretrained(root / "medusa")
+    EagleDrafter.for_verifier(model, "eagle1", verifier_name=str(verifier_dir)).save_pretrained(root / "eagle1")
+    cats = ["writing", "math", "coding"]
+    (root / "mt.jsonl").write_text("\n".join(json.dumps({"question_id": i, "category": cats[i // 2],
+                                                         "turns": [f"tell me of the king {i}", "and then?"]})
+                                             for i in range(6)))
+    (root / "alpaca.jsonl").write_text("\n".join(json.dumps({"instruction": f"name a river {i}", "input": ""})
+                                                 for i in range(3)))
+    (root / "gsm8k.jsonl").write_text("\n".join(json.dumps({"question": f"what is {i} plus {i}?", "answer": "#### 2"})
+                                                for i in range(3)))
+    return root, verifier_dir
+
+
+def argv(setup, out, *extra):
+    root, verifier_dir = setup
+    return ["--verifier", str(verifier_dir), "--drafter", f"medusa={root / 'medusa'}", "--drafter",
+            f"eagle1={root / 'eagle1'}", "--sampled", "eagle1", "--mt_bench", str(root / "mt.jsonl"),
+            "--alpaca", str(root / "alpaca.jsonl"), "--gsm8k", str(root / "gsm8k.jsonl"), "--num_prompts", "3",
+            "--max_new_tokens", "10", "--k", "3", "--tree_nodes", "6", "--tree_depth", "3", "--tree_topk", "2",
+            "--device", "cpu", "--out", str(out), *extra]
+
+
+def rows_of(out):
+    return {p.name: json.loads(p.read_text()) for p in (out / "rows").glob("*.json")}
+
+
+def test_mt_bench_prompts_are_spread_over_categories(setup):
+    root = setup[0]
+    picked = load_set("mt_bench", str(root / "mt.jsonl"), 3)
+    assert [p["category"] for p in picked] == ["writing", "math", "coding"]  # not the first three rows
+    assert [p["prompt"] for p in picked] == ["tell me of the king 0", "tell me of the king 2", "tell me of the king 4"]
+    assert len(load_set("mt_bench", str(root / "mt.jsonl"), 80)) == 6
+
+
+def test_end_to_end_then_kill_and_resume(setup, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    proc = subprocess.run([sys.executable, "-m", "spectrain.eval.results", *argv(setup, straight)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(open(proc.stdout.strip().splitlines()[-1]).read())
+    keys = [r["key"] for r in summary["rows"]]
+    # medusa: mt chain + tree, alpaca, gsm8k; eagle1: the same plus its sampled chain.
+    assert len(keys) == len(set(keys)) == 9
+    for r in summary["rows"]:
+        assert r["prompts"] == 3 and sum(r["accept_histogram"]) == r["verifier_forwards"] > 0
+        if r["temperature"] == 0:
+            assert r["identical_to_greedy"] == 3, r["key"]  # lossless: every T=0 output is the greedy output
+        if r["set"] == "mt_bench":
+            assert set(r["per_category_tau"]) == {"writing", "math", "coding"}
+    tree_rows = [r for r in summary["rows"] if r["setting"] == "tree-6"]
+    assert {r["tree"].split(",")[0] for r in tree_rows} == {"static", "EAGLE-2 dynamic"}
+    assert "tau on" in proc.stdout and "published figures" in proc.stdout
+
+    # Kill after two rows (the third raises mid-measurement), then rerun: nothing lost, nothing doubled.
+    out = tmp_path / "resumed"
+    real, calls = results_mod.measure_row, []
+
+    def crashing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(results_mod, "measure_row", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        results(parse_args(argv(setup, out)), log=lambda *_: None)
+    assert len(rows_of(out)) == 3 + 2  # three greedy references and two finished rows
+    monkeypatch.setattr(results_mod, "measure_row", real)
+    measured = []
+    monkeypatch.setattr(results_mod, "measure_row", lambda *a, **kw: measured.append(1) or real(*a, **kw))
+    results(parse_args(argv(setup, out)), log=lambda *_: None)
+    assert len(measured) == 9 - 2  # only the missing rows were measured
+    a, b = rows_of(straight), rows_of(out)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        for field in ("tau", "alpha", "accept_histogram", "identical_to_greedy", "outputs"):
+            if field in a[name]:
+                assert a[name][field] == b[name][field], (name, field)
+
+    # A third run measures nothing; other settings are refused and leave the rows alone.
+    measured.clear()
+    results(parse_args(argv(setup, out)), log=lambda *_: None)
+    assert not measured
+    with pytest.raises(SpectrainError, match="other settings.*max_new_tokens"):
+        results(parse_args(argv(setup, out, "--max_new_tokens", "11")), log=lambda *_: None)
+    assert sorted(rows_of(out)) == sorted(a)
+
+
+def test_retrained_drafter_rows_are_redone(setup, tmp_path, monkeypatch):
+    root, verifier_dir = setup
+    model = load_verifier(str(verifier_dir)).model
+    heads_dir = tmp_path / "medusa"
+    MedusaHeads.for_verifier(model, num_heads=3, verifier_name=str(verifier_dir)).save_pretrained(heads_dir)
+    args = ["--verifier", str(verifier_dir), "--drafter", f"m={heads_dir}", "--mt_bench", str(root / "mt.jsonl"),
+            "--alpaca", "", "--gsm8k", "", "--num_prompts", "2", "--max_new_tokens", "6", "--k", "3",
+            "--tree_nodes", "0", "--device", "cpu", "--out", str(tmp_path / "out")]
+    results(parse_args(args), log=lambda *_: None)
+    torch_seeded = MedusaHeads.for_verifier(model, num_heads=3, verifier_name=str(verifier_dir))
+    for p in torch_seeded.parameters():
+        p.data.normal_()
+    torch_seeded.save_pretrained(heads_dir)  # "retrained" in place
+    measured = []
+    real = results_mod.measure_row
+    monkeypatch.setattr(results_mod, "measure_row", lambda *a, **kw: measured.append(1) or real(*a, **kw))
+    results(parse_args(args), log=lambda *_: None)
+    assert measured == [1]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--drafter", "bad"], "NAME=PATH"),
+    (["--drafter", "x=/no/such/dir"], "not found"),
+    (["--sampled", "nobody"], "--sampled names no --drafter"),
+    (["--k", "5"], "needs 5"),  # 3 Medusa heads cannot draft a chain of 5
+])
+def test_bad_input(setup, tmp_path, extra, message):
+    with pytest.raises(SpectrainError, match=message):
+        results(parse_args(argv(setup, tmp_path / "bad") + extra), log=lambda *_: None)
