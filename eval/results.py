@@ -184,9 +184,9 @@ def plan_rows(args, drafters: dict[str, str], sets: dict[str, list[dict]]) -> li
     unknown = sorted(set(args.sampled) - set(drafters))
     if unknown:
         raise SpectrainError(f"--sampled names no --drafter: {unknown}")
-    rows = []
-    for name in drafters:
-        if "mt_bench" in sets:
+    rows = []  # set by set, so a partial run already has whole sets
+    if "mt_bench" in sets:
+        for name in drafters:
             rows.append({"drafter": name, "set": "mt_bench", "setting": f"chain-{args.k}", "temperature": 0.0})
             if args.tree_nodes:
                 rows.append({"drafter": name, "set": "mt_bench", "setting": f"tree-{args.tree_nodes}",
@@ -194,9 +194,10 @@ def plan_rows(args, drafters: dict[str, str], sets: dict[str, list[dict]]) -> li
             if name in args.sampled:
                 rows.append({"drafter": name, "set": "mt_bench", "setting": f"chain-{args.k}",
                              "temperature": args.sampled_temperature})
-        for other in ("alpaca", "gsm8k"):
-            if other in sets:
-                rows.append({"drafter": name, "set": other, "setting": f"chain-{args.k}", "temperature": 0.0})
+    for other in ("alpaca", "gsm8k"):
+        if other in sets:
+            rows.extend({"drafter": name, "set": other, "setting": f"chain-{args.k}", "temperature": 0.0}
+                        for name in drafters)
     for r in rows:
         r["key"] = f"{r['drafter']}__{r['set']}__{r['setting']}__T{r['temperature']:g}"
     return rows
@@ -298,26 +299,41 @@ def measure_row(ctx: Context, row: dict, path: str, reference: list[dict], promp
 
 
 def settings_of(args, sets: dict[str, list[dict]]) -> dict:
-    return {"verifier": args.verifier, "num_prompts": {k: len(v) for k, v in sets.items()},
-            "prompt_files": {k: str(Path(getattr(args, k)).name) for k in sets}, "max_new_tokens": args.max_new_tokens,
-            "k": args.k, "tree_nodes": args.tree_nodes, "tree_depth": args.tree_depth, "tree_topk": args.tree_topk,
-            "sampled_temperature": args.sampled_temperature, "seed": args.seed, "dtype": args.dtype,
-            "device": args.device}
+    """What the rows depend on: settings common to every row, and per prompt set its file, size and content hash
+    (so a run over fewer sets shares the rows of the sets it has)."""
+    common = {"verifier": args.verifier, "max_new_tokens": args.max_new_tokens, "k": args.k,
+              "tree_nodes": args.tree_nodes, "tree_depth": args.tree_depth, "tree_topk": args.tree_topk,
+              "sampled_temperature": args.sampled_temperature, "seed": args.seed, "dtype": args.dtype,
+              "device": args.device}
+    per_set = {name: {"file": Path(getattr(args, name)).name, "prompts": len(prompts),
+                      "sha256": hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]}
+               for name, prompts in sets.items()}
+    return {"common": common, "sets": per_set}
 
 
 def open_out(out: Path, settings: dict, force: bool) -> Path:
-    """The rows directory of ``out``, after checking (or, with ``force``, resetting) its settings."""
+    """The rows directory of ``out``, after checking (or, with ``force``, resetting) its settings.
+
+    The common settings must match, and so must every prompt set both runs have; new sets are added."""
     rows_dir, settings_path = out / "rows", out / "settings.json"
+    merged = settings
     if settings_path.is_file():
         old = read_json(settings_path, "results settings")
-        if old != settings:
-            if not force:
-                changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-                raise SpectrainError(f"{out} holds rows measured with other settings ({', '.join(changed)}); "
-                                     "use another --out, or --force to discard them")
+        if not isinstance(old, dict) or set(old) != {"common", "sets"}:
+            old = {"common": old, "sets": {}}  # unrecognised: treated as different settings below
+        changed = sorted(k for k in set(old["common"]) | set(settings["common"])
+                         if old["common"].get(k) != settings["common"].get(k))
+        changed += sorted(f"{name} prompts" for name in set(old["sets"]) & set(settings["sets"])
+                          if old["sets"][name] != settings["sets"][name])
+        if changed and not force:
+            raise SpectrainError(f"{out} holds rows measured with other settings ({', '.join(changed)}); "
+                                 "use another --out, or --force to discard them")
+        if changed:
             shutil.rmtree(rows_dir, ignore_errors=True)
+        else:
+            merged = {"common": settings["common"], "sets": {**old["sets"], **settings["sets"]}}
     rows_dir.mkdir(parents=True, exist_ok=True)
-    write_json(settings_path, settings)
+    write_json(settings_path, merged)
     return rows_dir
 
 
@@ -352,27 +368,31 @@ def results(args, log=print) -> Path:
     t0 = time.time()
 
     references = {}
-    for name in sets:  # plain greedy decoding: the lossless reference and the AR speed
-        path = rows_dir / f"greedy__{name}.json"
-        ref = cached(path, "greedy")
-        if ref is None:
-            start = time.time()
-            records = ctx.run(Drafter(), name, Sampling(), args.seed)
-            s = summarize(records, 0)
-            ref = {"fingerprint": "greedy", "set": name, "tokens_per_second": s["tokens_per_second"],
-                   "new_tokens": s["new_tokens"], "seconds": round(time.time() - start, 1), "records": records,
-                   "outputs": [ctx.tokenizer.decode(t["tokens"], skip_special_tokens=True)
-                               for r in records[:2] for t in r["turns"]]}
-            write_json(path, ref)
-            log(f"results: greedy reference on {name}: {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s")
-        references[name] = ref
+
+    def reference(name: str) -> dict:
+        """Plain greedy decoding of a set (measured once): the lossless reference and the AR speed."""
+        if name not in references:
+            path = rows_dir / f"greedy__{name}.json"
+            ref = cached(path, "greedy")
+            if ref is None:
+                start = time.time()
+                records = ctx.run(Drafter(), name, Sampling(), args.seed)
+                s = summarize(records, 0)
+                ref = {"fingerprint": "greedy", "set": name, "tokens_per_second": s["tokens_per_second"],
+                       "new_tokens": s["new_tokens"], "seconds": round(time.time() - start, 1), "records": records,
+                       "outputs": [ctx.tokenizer.decode(t["tokens"], skip_special_tokens=True)
+                                   for r in records[:2] for t in r["turns"]]}
+                write_json(path, ref)
+                log(f"results: greedy reference on {name}: {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s")
+            references[name] = ref
+        return references[name]
 
     done = []
     for i, row in enumerate(rows, 1):
         path = rows_dir / f"{row['key']}.json"
         result = cached(path, prints[row["drafter"]])
         if result is None:
-            result = measure_row(ctx, row, drafters[row["drafter"]], references[row["set"]]["records"], sets[row["set"]])
+            result = measure_row(ctx, row, drafters[row["drafter"]], reference(row["set"])["records"], sets[row["set"]])
             result.update(fingerprint=prints[row["drafter"]], drafter_path=str(Path(drafters[row["drafter"]]).resolve()),
                           training=training_info(drafters[row["drafter"]]))
             write_json(path, result)  # atomic: a kill leaves the row whole or absent
@@ -380,9 +400,11 @@ def results(args, log=print) -> Path:
         done.append(result)
     summary = {"command": "spectrain-results " + " ".join(sys.argv[1:]), "settings": settings,
                "rows": [{k: v for k, v in r.items()} for r in done],
-               "greedy": {k: {x: v[x] for x in ("tokens_per_second", "new_tokens", "seconds", "outputs")}
-                          for k, v in references.items()},
+               "greedy": {k: {x: reference(k)[x] for x in ("tokens_per_second", "new_tokens", "seconds", "outputs")}
+                          for k in sets},
                "published": PUBLISHED, "seconds_this_run": round(time.time() - t0, 1)}
+    summary["settings"] = {**settings["common"], "num_prompts": {k: v["prompts"] for k, v in settings["sets"].items()},
+                           "prompt_sets": settings["sets"]}
     return finish(summary, out / "results.json", tables=tables(summary))
 
 

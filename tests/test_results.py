@@ -87,7 +87,7 @@ def test_end_to_end_then_kill_and_resume(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(results_mod, "measure_row", crashing)
     with pytest.raises(KeyboardInterrupt):
         results(parse_args(argv(setup, out)), log=lambda *_: None)
-    assert len(rows_of(out)) == 3 + 2  # three greedy references and two finished rows
+    assert len(rows_of(out)) == 1 + 2  # the MT-bench greedy reference and two finished rows (references are lazy)
     monkeypatch.setattr(results_mod, "measure_row", real)
     measured = []
     monkeypatch.setattr(results_mod, "measure_row", lambda *a, **kw: measured.append(1) or real(*a, **kw))
@@ -138,3 +138,21 @@ def test_retrained_drafter_rows_are_redone(setup, tmp_path, monkeypatch):
 def test_bad_input(setup, tmp_path, extra, message):
     with pytest.raises(SpectrainError, match=message):
         results(parse_args(argv(setup, tmp_path / "bad") + extra), log=lambda *_: None)
+
+
+def test_a_run_over_fewer_sets_shares_rows(setup, tmp_path, monkeypatch):
+    """MT-bench first (say, while other drafters still train), the rest later: no row is measured twice."""
+    out = tmp_path / "out"
+    only_mt = argv(setup, out, "--alpaca", "", "--gsm8k", "")
+    results(parse_args(only_mt), log=lambda *_: None)
+    assert len([k for k in rows_of(out) if not k.startswith("greedy")]) == 5  # mt chain+tree (x2) + eagle1 T=1
+    measured = []
+    real = results_mod.measure_row
+    monkeypatch.setattr(results_mod, "measure_row", lambda *a, **kw: measured.append(a[1]["key"]) or real(*a, **kw))
+    summary = json.loads(results(parse_args(argv(setup, out)), log=lambda *_: None).read_text())
+    assert sorted(measured) == sorted(k for k in (r["key"] for r in summary["rows"]) if "mt_bench" not in k)
+    assert len(summary["rows"]) == 9
+    root = setup[0]
+    (tmp_path / "mt2.jsonl").write_text((root / "mt.jsonl").read_text().replace("king", "queen"))
+    with pytest.raises(SpectrainError, match="mt_bench prompts"):  # other MT-bench prompts: refused
+        results(parse_args(argv(setup, out, "--mt_bench", str(tmp_path / "mt2.jsonl"))), log=lambda *_: None)
