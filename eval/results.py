@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mt_bench", default=str(SHARED / "prompts/mt_bench.jsonl"), help="MT-bench jsonl ('' skips)")
     p.add_argument("--alpaca", default=str(SHARED / "prompts/alpaca_80.jsonl"), help="Alpaca-80 jsonl ('' skips)")
     p.add_argument("--gsm8k", default=str(SHARED / "gsm8k_train.jsonl"), help="GSM8K jsonl ('' skips)")
-    p.add_argument("--num_prompts", type=int, default=80, help="prompts per set (MT-bench: spread over categories)")
+    p.add_argument("--num_prompts", nargs="+", default=["80"], metavar="N|SET=N",
+                   help="prompts per set (MT-bench: spread over categories); SET=N sets one set's count")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=5, help="chain length")
     p.add_argument("--tree_nodes", type=int, default=64, help="draft-node budget of the tree rows (0 skips them)")
@@ -158,6 +159,26 @@ def training_info(path: str) -> dict:
         meta = json.loads(store.read_text())
         info.update(store=info["data"], data=meta.get("data"), store_rows=meta.get("rows"))
     return info
+
+
+def prompt_counts(specs: list[str]) -> dict[str, int]:
+    """``["16"]`` -> 16 for every set; ``["16", "gsm8k=8"]`` -> 16, but 8 for GSM8K."""
+    counts, default = {}, None
+    for spec in specs:
+        name, sep, value = spec.rpartition("=")
+        if sep and name not in PROMPT_SETS:
+            raise SpectrainError(f"--num_prompts {spec!r}: unknown set {name!r}; sets: {', '.join(PROMPT_SETS)}")
+        try:
+            n = int(value)
+        except ValueError:
+            raise SpectrainError(f"--num_prompts takes N or SET=N, got {spec!r}") from None
+        if n < 1:
+            raise SpectrainError(f"--num_prompts must be >= 1, got {spec!r}")
+        if sep:
+            counts[name] = n
+        else:
+            default = n
+    return {name: counts.get(name, default if default is not None else 80) for name in PROMPT_SETS}
 
 
 def parse_drafters(specs: list[str]) -> dict[str, str]:
@@ -348,7 +369,8 @@ def cached(path: Path, fingerprint_: str | None) -> dict | None:
 
 
 def results(args, log=print) -> Path:
-    for key in ("num_prompts", "max_new_tokens", "k"):
+    counts = prompt_counts(args.num_prompts)
+    for key in ("max_new_tokens", "k"):
         if getattr(args, key) < 1:
             raise SpectrainError(f"--{key} must be >= 1, got {getattr(args, key)}")
     if args.tree_nodes < 0 or args.tree_depth < 1 or args.tree_topk < 1:
@@ -356,7 +378,7 @@ def results(args, log=print) -> Path:
     if args.sampled_temperature <= 0:
         raise SpectrainError(f"--sampled_temperature must be > 0, got {args.sampled_temperature}")
     drafters = parse_drafters(args.drafter)
-    sets = {name: load_set(name, getattr(args, name), args.num_prompts) for name in PROMPT_SETS if getattr(args, name)}
+    sets = {name: load_set(name, getattr(args, name), counts[name]) for name in PROMPT_SETS if getattr(args, name)}
     if not sets:
         raise SpectrainError("no prompt sets: give --mt_bench, --alpaca and/or --gsm8k")
     rows = plan_rows(args, drafters, sets)

@@ -38,7 +38,7 @@ def argv(setup, out, *extra):
     root, verifier_dir = setup
     return ["--verifier", str(verifier_dir), "--drafter", f"medusa={root / 'medusa'}", "--drafter",
             f"eagle1={root / 'eagle1'}", "--sampled", "eagle1", "--mt_bench", str(root / "mt.jsonl"),
-            "--alpaca", str(root / "alpaca.jsonl"), "--gsm8k", str(root / "gsm8k.jsonl"), "--num_prompts", "3",
+            "--alpaca", str(root / "alpaca.jsonl"), "--gsm8k", str(root / "gsm8k.jsonl"), "--num_prompts", "3", "gsm8k=2",
             "--max_new_tokens", "10", "--k", "3", "--tree_nodes", "6", "--tree_depth", "3", "--tree_topk", "2",
             "--device", "cpu", "--out", str(out), *extra]
 
@@ -65,9 +65,9 @@ def test_end_to_end_then_kill_and_resume(setup, tmp_path, monkeypatch):
     # medusa: mt chain + tree, alpaca, gsm8k; eagle1: the same plus its sampled chain.
     assert len(keys) == len(set(keys)) == 9
     for r in summary["rows"]:
-        assert r["prompts"] == 3 and sum(r["accept_histogram"]) == r["verifier_forwards"] > 0
+        assert r["prompts"] == (2 if r["set"] == "gsm8k" else 3) and sum(r["accept_histogram"]) == r["verifier_forwards"] > 0
         if r["temperature"] == 0:
-            assert r["identical_to_greedy"] == 3, r["key"]  # lossless: every T=0 output is the greedy output
+            assert r["identical_to_greedy"] == r["prompts"], r["key"]  # lossless: every T=0 output is the greedy one
         if r["set"] == "mt_bench":
             assert set(r["per_category_tau"]) == {"writing", "math", "coding"}
     tree_rows = [r for r in summary["rows"] if r["setting"] == "tree-6"]
@@ -134,6 +134,8 @@ def test_retrained_drafter_rows_are_redone(setup, tmp_path, monkeypatch):
     (["--drafter", "x=/no/such/dir"], "not found"),
     (["--sampled", "nobody"], "--sampled names no --drafter"),
     (["--k", "5"], "needs 5"),  # 3 Medusa heads cannot draft a chain of 5
+    (["--num_prompts", "sharegpt=3"], "unknown set"),
+    (["--num_prompts", "0"], ">= 1"),
 ])
 def test_bad_input(setup, tmp_path, extra, message):
     with pytest.raises(SpectrainError, match=message):
