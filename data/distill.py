@@ -210,8 +210,9 @@ def run(args) -> Path:
     summary = {**counts, "rows": len(rows), "unique_ids": len(set(ids)), "out": str(out.resolve()), **settings}
     table = format_table(["", "value"], [["rows in output", len(rows)], ["written this run", counts["written"]],
                                          ["already there", counts["already_done"]],
-                                         ["generated tokens/s", round(counts["generated_tokens"] /
-                                                                      max(counts["seconds"], 1e-9), 1)]],
+                                         ["reply tokens written", counts["generated_tokens"]] if args.responses == "original"
+                                         else ["generated tokens/s", round(counts["generated_tokens"] /
+                                                                           max(counts["seconds"], 1e-9), 1)]],
                          title=f"self-distillation with {args.verifier} -> {out}")
     return finish(summary, out.with_name(out.name + ".summary.json"), [table])
 
