@@ -76,13 +76,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -------------------------------------------------------------------------------------------- setup
 
 
+def load_drafter(path: str, verifier, verifier_name: str, allow_mismatch: bool):
+    """Any drafter (a run dir or an export in any format) on the verifier's device and dtype, in eval mode."""
+    drafter = import_drafter(path, verifier_model=verifier.model)
+    check_recorded_verifier(path, drafter.config.verifier, verifier_name, allow_mismatch)
+    param = next(verifier.model.parameters())
+    return drafter.to(param.device, param.dtype).eval()
+
+
 def load_medusa(path: str, verifier, verifier_name: str, allow_mismatch: bool) -> MedusaHeads:
     if not path:
         raise SpectrainError("--method medusa needs --drafter (a train_medusa run directory)")
-    heads = import_drafter(path, verifier_model=verifier.model)
+    heads = load_drafter(path, verifier, verifier_name, allow_mismatch)
     if not isinstance(heads, MedusaHeads):
         raise SpectrainError(f"{path} holds an {heads.config.variant} drafter: use --method eagle")
-    check_recorded_verifier(path, heads.config.verifier, verifier_name, allow_mismatch)
     return heads
 
 
@@ -96,12 +103,10 @@ def check_recorded_verifier(path: str, recorded: str, verifier_name: str, allow_
 def load_eagle(path: str, verifier, verifier_name: str, allow_mismatch: bool):
     if not path:
         raise SpectrainError("--method eagle needs --drafter (a train_eagle run directory)")
-    drafter = import_drafter(path, verifier_model=verifier.model)
+    drafter = load_drafter(path, verifier, verifier_name, allow_mismatch)
     if isinstance(drafter, MedusaHeads):
         raise SpectrainError(f"{path} holds Medusa heads: use --method medusa")
-    check_recorded_verifier(path, drafter.config.verifier, verifier_name, allow_mismatch)
-    param = next(verifier.model.parameters())
-    return drafter.to(param.device, param.dtype).eval()
+    return drafter
 
 
 def encode_turn(tokenizer, history: list[dict], use_template: bool) -> list[int]:

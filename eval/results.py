@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.formats import import_drafter
 from spectrain.heads.io import read_json, write_json
 from spectrain.heads.medusa import MedusaHeads
 from spectrain.heads.report import finish, format_table
@@ -42,8 +41,7 @@ from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
 from . import metrics
 from .accept import Sampling
 from .calibrate import medusa_diagnostics
-from .cli import check_recorded_verifier, encode_turn, summarize, turn_record
-from .decode import generate
+from .cli import encode_turn, load_drafter, run_prompts, summarize
 from .drafters import Drafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree
@@ -153,8 +151,8 @@ def training_info(path: str) -> dict:
     s = json.loads(summary.read_text())
     info = {k: s.get(k) for k in ("method", "data", "steps", "trained_tokens", "wall_seconds", "tau_pred")}
     # The run records its data path as given: relative to where training ran (usually the run dir's parent).
-    store = next((base / str(s.get("data")) / "train" / "metadata.json" for base in (Path.cwd(), Path(path).resolve().parent)
-                  if (base / str(s.get("data")) / "train" / "metadata.json").is_file()), None)
+    candidates = (base / str(s.get("data")) / "train" / "metadata.json" for base in (Path.cwd(), Path(path).resolve().parent))
+    store = next((c for c in candidates if c.is_file()), None)
     if s.get("data_format") == "store" and store is not None:  # name the corpus behind the hidden-state store
         meta = json.loads(store.read_text())
         info.update(store=info["data"], data=meta.get("data"), store_rows=meta.get("rows"))
@@ -235,10 +233,10 @@ class Context:
         if not getattr(self.tokenizer, "chat_template", None):
             raise SpectrainError(f"verifier {args.verifier} has no chat template: the prompt sets are chat prompts")
         self.eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        self.prompt_ids = {name: [encode_turn(self.tokenizer, [{"role": "user", "content": p["prompt"]}], True)
-                                  for p in prompts] for name, prompts in sets.items()}
+        self.prompts = {name: [[p["prompt"]] for p in prompts] for name, prompts in sets.items()}
         context = max_context(self.verifier.config)
-        longest = max(len(ids) for prompts in self.prompt_ids.values() for ids in prompts)
+        longest = max(len(encode_turn(self.tokenizer, [{"role": "user", "content": turns[0]}], True))
+                      for prompts in self.prompts.values() for turns in prompts)
         max_len = longest + args.max_new_tokens + max(args.tree_nodes, args.k) + 2
         if max_len > context:
             raise SpectrainError(f"the longest prompt ({longest} tokens) + --max_new_tokens {args.max_new_tokens} "
@@ -248,20 +246,17 @@ class Context:
 
     def heads(self, name: str, path: str):
         if name not in self._heads:
-            heads = import_drafter(path, verifier_model=self.verifier.model)
-            check_recorded_verifier(path, heads.config.verifier, self.args.verifier, False)
-            param = next(self.verifier.model.parameters())
-            self._heads[name] = heads.to(param.device, param.dtype).eval()
+            self._heads[name] = load_drafter(path, self.verifier, self.args.verifier, False)
         return self._heads[name]
 
-    def run(self, drafter: Drafter, set_name: str, sampling: Sampling, seed: int) -> list[dict]:
-        """One generation per prompt of the set; per-prompt records as :func:`.cli.run_prompts` makes them."""
-        generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        records = []
-        for i, ids in enumerate(self.prompt_ids[set_name]):
-            gen = generate(self.runner, drafter, ids, self.args.max_new_tokens, sampling, self.eos, generator)
-            records.append({"prompt": i, "turns": [turn_record(ids, gen)]})
-        return records
+    def run(self, drafter: Drafter, set_name: str, sampling: Sampling) -> list[dict]:
+        """One generation per prompt of the set (records as :func:`.cli.run_prompts` makes them)."""
+        return run_prompts(self.runner, drafter, self.prompts[set_name], self.tokenizer, True, self.args, sampling,
+                           self.eos)
+
+    def sample_outputs(self, records: list[dict]) -> list[str]:
+        """The first two outputs as text, for reading the table against what was generated."""
+        return [self.tokenizer.decode(t["tokens"], skip_special_tokens=True) for r in records[:2] for t in r["turns"]]
 
 
 def build(ctx: Context, row: dict, path: str, reference: list[dict]) -> tuple[Drafter, dict]:
@@ -302,7 +297,7 @@ def measure_row(ctx: Context, row: dict, path: str, reference: list[dict], promp
     sampling = Sampling(temperature=row["temperature"])
     drafter, definition = build(ctx, row, path, reference)
     t0 = time.time()
-    records = ctx.run(drafter, row["set"], sampling, ctx.args.seed)
+    records = ctx.run(drafter, row["set"], sampling)
     summary = summarize(records, drafter.tree.max_depth if definition["tree"] == "chain" else definition["depth"])
     identical = None
     if sampling.greedy:
@@ -313,7 +308,7 @@ def measure_row(ctx: Context, row: dict, path: str, reference: list[dict], promp
             "new_tokens": summary["new_tokens"], "tokens_per_second": summary["tokens_per_second"],
             "identical_to_greedy": identical, "prompts": len(records), "per_category_tau": per_category(records, prompts),
             "seconds": round(time.time() - t0, 1),
-            "outputs": [ctx.tokenizer.decode(t["tokens"], skip_special_tokens=True) for r in records[:2] for t in r["turns"]]}
+            "outputs": ctx.sample_outputs(records)}
 
 
 # -------------------------------------------------------------------------------------------- driver
@@ -398,12 +393,11 @@ def results(args, log=print) -> Path:
             ref = cached(path, "greedy")
             if ref is None:
                 start = time.time()
-                records = ctx.run(Drafter(), name, Sampling(), args.seed)
+                records = ctx.run(Drafter(), name, Sampling())
                 s = summarize(records, 0)
                 ref = {"fingerprint": "greedy", "set": name, "tokens_per_second": s["tokens_per_second"],
                        "new_tokens": s["new_tokens"], "seconds": round(time.time() - start, 1), "records": records,
-                       "outputs": [ctx.tokenizer.decode(t["tokens"], skip_special_tokens=True)
-                                   for r in records[:2] for t in r["turns"]]}
+                       "outputs": ctx.sample_outputs(records)}
                 write_json(path, ref)
                 log(f"results: greedy reference on {name}: {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s")
             references[name] = ref
@@ -420,13 +414,13 @@ def results(args, log=print) -> Path:
             write_json(path, result)  # atomic: a kill leaves the row whole or absent
             log(f"results: row {i}/{len(rows)} {row['key']}: tau {result['tau']:.3f} ({result['seconds']} s)")
         done.append(result)
-    summary = {"command": "spectrain-results " + " ".join(sys.argv[1:]), "settings": settings,
-               "rows": [{k: v for k, v in r.items()} for r in done],
+    summary = {"command": "spectrain-results " + " ".join(sys.argv[1:]),
+               "settings": {**settings["common"], "num_prompts": {k: v["prompts"] for k, v in settings["sets"].items()},
+                            "prompt_sets": settings["sets"]},
+               "rows": done,
                "greedy": {k: {x: reference(k)[x] for x in ("tokens_per_second", "new_tokens", "seconds", "outputs")}
                           for k in sets},
                "published": PUBLISHED, "seconds_this_run": round(time.time() - t0, 1)}
-    summary["settings"] = {**settings["common"], "num_prompts": {k: v["prompts"] for k, v in settings["sets"].items()},
-                           "prompt_sets": settings["sets"]}
     return finish(summary, out / "results.json", tables=tables(summary))
 
 
