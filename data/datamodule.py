@@ -2,7 +2,9 @@
 
 Every batch is a dict of (B, T) tensors: ``input_ids``, ``attention_mask`` and
 ``loss_mask`` (1 where token t is a training target: every real token for
-text, assistant tokens only for chat).
+text, assistant tokens only for chat). Batches from a hidden-state store also carry
+the verifier's ``hidden``, ``aux`` and ``greedy`` (and ``topk_ids`` / ``topk_logprobs``
+when extracted with ``--topk``), see :mod:`spectrain.data.store`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class DrafterDataModule(L.LightningDataModule):
             are tokenized on the fly and packed into ``block_size`` blocks, ``.jsonl`` / HF chat rows rendered one
             by one; every ``1/val_fraction``-th row is held out (see :mod:`spectrain.data.streaming`).
         shuffle_buffer: streaming: samples held in the shuffle buffer.
+        group_by_length: batch training rows of similar length together (chat rows and hidden-state stores;
+            text blocks are all one length), so little of each batch is padding; the order stays seeded.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class DrafterDataModule(L.LightningDataModule):
         seed: int = 0,
         streaming: bool = False,
         shuffle_buffer: int = 1024,
+        group_by_length: bool = True,
     ):
         super().__init__()
         if block_size < 2:
@@ -78,7 +83,7 @@ class DrafterDataModule(L.LightningDataModule):
         self.text_field, self.hf_split, self.num_workers, self.seed = text_field, hf_split, num_workers, seed
         if shuffle_buffer < 1:
             raise SpectrainError(f"data.shuffle_buffer must be >= 1, got {shuffle_buffer}")
-        self.streaming, self.shuffle_buffer = streaming, shuffle_buffer
+        self.streaming, self.shuffle_buffer, self.group_by_length = streaming, shuffle_buffer, group_by_length
         self.train_set = self.val_set = None
         self.skipped = 0
         self.tokenizer = None
@@ -265,7 +270,7 @@ class DrafterDataModule(L.LightningDataModule):
 
     # -- batches ------------------------------------------------------------------------------------------------
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        """Right-pad to the longest row; pads get attention 0 and loss 0. Store rows are stacked as they are."""
+        """Right-pad to the longest row; pads get attention 0 and loss 0. Store rows: :func:`~.store.collate_store`."""
         if "hidden" in rows[0]:
             from .store import collate_store
 
@@ -296,7 +301,18 @@ class DrafterDataModule(L.LightningDataModule):
             return StreamingLoader(self.train_set, self.batch_size, self.collate, seed=self.seed, position=position,
                                    shuffle_buffer=self.shuffle_buffer)
         return ResumableLoader(self.train_set, self.batch_size, self.collate, seed=self.seed, position=position,
-                               num_workers=self.num_workers)
+                               num_workers=self.num_workers, lengths=self.train_lengths())
+
+    def train_lengths(self) -> list[int] | None:
+        """Row lengths to group training batches by: a store's or chat rows'; ``None`` for equal-length text blocks
+        (and when ``group_by_length`` is off)."""
+        if not self.group_by_length:
+            return None
+        if hasattr(self.train_set, "lengths"):  # a hidden-state store: from its offsets, no row read
+            return self.train_set.lengths()
+        if "loss_mask" in getattr(self.train_set, "column_names", ()):  # rendered chat rows (file or HF dataset)
+            return [len(ids) for ids in self.train_set["input_ids"]]
+        return None
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,

@@ -172,7 +172,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="verifier dtype: auto (bf16 on CUDA and on CPUs with native bf16 "
+                   "matmuls, fp32 elsewhere), float32 or bfloat16")
     return p.parse_args(argv)
 
 
@@ -186,6 +187,10 @@ def run(args) -> Path:
             raise SpectrainError(f"--{key} must be >= 1, got {getattr(args, key)}")
     if args.temperature < 0:
         raise SpectrainError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.device == "cpu":
+        from spectrain.heads.host_memory import keep_freed_memory
+
+        keep_freed_memory()  # batched generation allocates the same large buffers every step
     limits = args.limit or [None]
     if len(limits) not in (1, len(args.data)):
         raise SpectrainError(f"--limit takes one number or one per --data file ({len(args.data)}), got {len(limits)}")

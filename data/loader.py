@@ -6,11 +6,16 @@ reads its own equal share, so no sampler injection is needed), batched with ``dr
 is a pure function of how many batches training has already consumed (``position()``, from the
 trainer's global step), so a run restored from a mid-epoch checkpoint skips exactly the batches it had
 already trained on — no dataloader state to save, nothing to get wrong when the fetcher prefetches.
+
+With row ``lengths`` (rows of different lengths: chat, a hidden-state store), batches are grouped by length so
+little of a batch is padding: each rank's share of the permutation is cut into groups of ``64 * batch_size``
+rows, each group sorted by length and cut into batches, and the batches shuffled by the same (seed, epoch)
+generator. Still a pure function of (seed, epoch), with the same rows and number of batches per epoch.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -33,12 +38,21 @@ class ResumableLoader:
         position: callable returning the number of batches (per rank) already trained on, e.g.
             ``global_step * accumulate_grad_batches``; read each time a pass over the data starts.
         num_workers: DataLoader workers.
+        lengths: every row's length; when given, batches are grouped by length (see the module docstring).
     """
 
+    GROUP_BATCHES = 64  # batches per length-sorted group: larger = less padding, less randomness per batch
+
     def __init__(self, dataset: Dataset, batch_size: int, collate_fn: Callable, seed: int = 0,
-                 position: Callable[[], int] | None = None, num_workers: int = 0):
+                 position: Callable[[], int] | None = None, num_workers: int = 0,
+                 lengths: Sequence[int] | None = None):
         self.dataset, self.batch_size, self.collate_fn = dataset, batch_size, collate_fn
         self.seed, self.position, self.num_workers = seed, position or (lambda: 0), num_workers
+        if lengths is not None and len(lengths) != len(dataset):
+            from spectrain.heads.errors import SpectrainError
+
+            raise SpectrainError(f"{len(lengths)} row lengths for a dataset of {len(dataset)} rows")
+        self.lengths = None if lengths is None else list(lengths)
 
     def __len__(self) -> int:
         _, world = rank_and_world()
@@ -47,21 +61,40 @@ class ResumableLoader:
     def epoch_indices(self, epoch: int) -> list[int]:
         """This rank's row indices for ``epoch``, in order, ``len(self) * batch_size`` of them."""
         rank, world = rank_and_world()
-        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(len(self.dataset), generator=generator)
         per_rank = len(self.dataset) // world
         mine = order[:per_rank * world][rank::world]
-        return mine[:len(self) * self.batch_size].tolist()
+        mine = mine[:len(self) * self.batch_size].tolist()
+        if self.lengths is None:
+            return mine
+        size, group = self.batch_size, self.batch_size * self.GROUP_BATCHES
+        batches = []
+        for start in range(0, len(mine), group):  # a multiple of batch_size rows: every batch is full
+            rows = sorted(mine[start:start + group], key=self.lengths.__getitem__)  # stable: ties keep their order
+            batches += [rows[i:i + size] for i in range(0, len(rows), size)]
+        # The same generator, drawn on: every rank shuffles its batches alike (long batches meet on one step).
+        return [i for b in torch.randperm(len(batches), generator=generator).tolist() for i in batches[b]]
 
     # Lightning saves these with the checkpoint (it treats loaders with state_dict/load_state_dict as resumable);
     # the position itself comes from the restored step, so the state only guards against changed data.
     def state_dict(self) -> dict:
-        return {"rows": len(self.dataset), "batch_size": self.batch_size, "seed": self.seed}
+        state = {"rows": len(self.dataset), "batch_size": self.batch_size, "seed": self.seed}
+        if self.lengths is not None:  # absent otherwise: the state older checkpoints saved
+            state["group_by_length"] = True
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
         if state != mine:
             from spectrain.heads.errors import SpectrainError
 
+            if {k: v for k, v in state.items() if k != "group_by_length"} == \
+                    {k: v for k, v in mine.items() if k != "group_by_length"}:
+                then = bool(state.get("group_by_length"))
+                raise SpectrainError(f"the checkpoint's batches were {'' if then else 'not '}grouped by length; "
+                                     f"pass --data.group_by_length {str(then).lower()} to resume the same run, "
+                                     "or --force to start over")
             raise SpectrainError(f"the training data changed since the checkpoint ({state} then, {mine} now): "
                                  "resuming would not continue the same run; pass --force to start over")
 

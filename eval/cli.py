@@ -24,6 +24,7 @@ from .accept import Sampling
 from .calibrate import medusa_diagnostics
 from .costs import draft_cost, plan, probe_state, verify_cost
 from .decode import generate
+from .decode_dtype import decode_dtype
 from .drafters import (Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter, ModelDrafter,
                        NgramDrafter, truncated_verifier)
 from .prompts import BUNDLED, load_prompts
@@ -62,7 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="render prompts with the tokenizer's chat template (auto: on when it has one, off for "
                         "bundled text)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto: bf16 on CUDA; on CPUs with native bf16 (AMX / AVX512-BF16) whichever of fp32 / bf16 "
+                        "measures faster for this job's verify width (1 without drafts); fp32 elsewhere. Or float32, "
+                        "bfloat16")
     p.add_argument("--hf_generate", type=int, default=3, help="prompts timed with HF generate() (0: skip)")
     p.add_argument("--compile", action="store_true",
                    help="CUDA: capture verifier forwards as CUDA graphs (torch.compile reduce-overhead), and run "
@@ -115,6 +119,20 @@ def encode_turn(tokenizer, history: list[dict], use_template: bool) -> list[int]
     return tokenizer("\n".join(m["content"] for m in history), add_special_tokens=False)["input_ids"]
 
 
+def verify_width(args) -> int:
+    """Tokens in this job's widest verifier forward: 1 + its largest chain, tree or dynamic-tree budget."""
+    if args.method == "none":
+        return 1
+    sizes = [args.k]
+    if args.tree and args.tree.startswith("auto:") and args.tree[5:].isdigit():
+        sizes.append(int(args.tree[5:]))
+    elif args.tree:
+        sizes.append(Tree.load(args.tree).size)
+    if args.dynamic_tree and args.dynamic_tree.count(",") == 2 and args.dynamic_tree.rsplit(",", 1)[1].isdigit():
+        sizes.append(int(args.dynamic_tree.rsplit(",", 1)[1]))
+    return 1 + max(sizes)
+
+
 def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
     trees = {}
     if args.k > 0:
@@ -154,7 +172,7 @@ def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "
         if args.method == "eagle":
             return EagleTreeDrafter(heads, verifier.model, dynamic=(depth, topk, budget))
         model = (truncated_verifier(verifier.model, args.draft_layers) if args.method == "truncated"
-                 else load_verifier(args.draft_model, dtype=args.dtype, device=args.device).model)
+                 else load_verifier(args.draft_model, dtype=args.resolved_dtype, device=args.device).model)
         return DynamicTreeDrafter(model, depth, topk, budget, max_len)
     if args.method == "medusa":
         return MedusaDrafter(heads, verifier.model.get_output_embeddings(), tree)
@@ -168,7 +186,7 @@ def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "
     if args.method == "draft-model":
         if not args.draft_model:
             raise SpectrainError("--method draft-model needs --draft_model")
-        draft = load_verifier(args.draft_model, dtype=args.dtype, device=args.device).model
+        draft = load_verifier(args.draft_model, dtype=args.resolved_dtype, device=args.device).model
         if draft.get_output_embeddings().weight.shape[0] != verifier.model.get_output_embeddings().weight.shape[0]:
             raise SpectrainError("the draft model's vocabulary differs from the verifier's")
         return ModelDrafter(draft, tree.size, max_len)
@@ -280,6 +298,14 @@ def evaluate(args) -> Path:
     dtype = resolve_dtype(args.dtype, args.device)
     verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, dtype=dtype, device=args.device,
                              trust_remote_code=args.trust_remote_code)
+    dtype_choice = {"reason": "set by --dtype"}
+    if args.dtype == "auto":
+        dtype, dtype_choice = decode_dtype(verifier.model, args.device, verify_width(args))
+        if dtype != next(verifier.model.parameters()).dtype:  # reload natively rather than cast what was loaded
+            del verifier
+            verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, dtype=dtype, device=args.device,
+                                     trust_remote_code=args.trust_remote_code)
+    args.resolved_dtype = dtype  # a draft model runs in the verifier's dtype
     tokenizer = verifier.tokenizer
     context = max_context(verifier.config)
     if args.max_new_tokens < 1:
@@ -371,7 +397,7 @@ def evaluate(args) -> Path:
     summary = {
         "command": "spectrain-eval " + " ".join(sys.argv[1:]),
         "verifier": args.verifier, "method": args.method, "drafter": args.drafter, "device": args.device,
-        "dtype": str(dtype).replace("torch.", ""), "sampling": asdict(sampling), "prompts": args.prompts,
+        "dtype": str(dtype).replace("torch.", ""), "dtype_choice": dtype_choice, "sampling": asdict(sampling), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "chat_template": use_template,
         "results": results, "costs": costs, "planner": planner, "hf_generate": hf, "calibration": calibration,
         "eval_seconds": time.time() - t0, "per_prompt": per_prompt,
@@ -389,7 +415,7 @@ def tables(summary: dict) -> list[str]:
                      "-" if name == "ar" else ("yes" if r.get("identical_to_ar") else "n/a" if summary["sampling"]["temperature"] else "NO")])
     hf = summary["hf_generate"]
     title = (f"{summary['method']} on {summary['verifier']} — {summary['num_prompts']} prompts, "
-             f"T={summary['sampling']['temperature']}, {summary['max_new_tokens']} new tokens, {summary['device']}"
+             f"T={summary['sampling']['temperature']}, {summary['max_new_tokens']} new tokens, {summary['device']} {summary['dtype']}"
              + (f"; HF generate(): {hf['tokens_per_second']:.1f} tok/s" if hf else ""))
     out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup", "ideal", "distinct-4",
                          "same as AR"], rows, title=title)]

@@ -79,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sampled_temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA and on CPUs with native bf16 matmuls, fp32 elsewhere), float32 or bfloat16")
     p.add_argument("--out", default="runs/results")
     p.add_argument("--force", action="store_true", help="discard the rows of an existing --out with other settings")
     return p.parse_args(argv)
@@ -319,7 +320,8 @@ def settings_of(args, sets: dict[str, list[dict]]) -> dict:
     (so a run over fewer sets shares the rows of the sets it has)."""
     common = {"verifier": args.verifier, "max_new_tokens": args.max_new_tokens, "k": args.k,
               "tree_nodes": args.tree_nodes, "tree_depth": args.tree_depth, "tree_topk": args.tree_topk,
-              "sampled_temperature": args.sampled_temperature, "seed": args.seed, "dtype": args.dtype,
+              "sampled_temperature": args.sampled_temperature, "seed": args.seed,
+              "dtype": str(resolve_dtype(args.dtype, args.device)).replace("torch.", ""),  # what auto meant here
               "device": args.device}
     per_set = {name: {"file": Path(getattr(args, name)).name, "prompts": len(prompts),
                       "sha256": hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]}

@@ -235,7 +235,8 @@ class EagleAttention(nn.Module):
         return proj(x).view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x, cos, sin, mask, past_k=None, past_v=None):
-        """x (B, T, in); mask (B|1, 1, T, S) bool, True = may attend, S = past + T.
+        """x (B, T, in); mask (B|1, 1, T, S) bool, True = may attend, S = past + T; None = causal without a past
+        (SDPA's ``is_causal``, which lets flash kernels skip the masked half instead of computing it).
 
         Returns (out (B, T, h), k, v): k/v are this call's (B, kv_heads, T, d), k already rotated, so a
         caller caches them by concatenating along dim 2.
@@ -245,9 +246,38 @@ class EagleAttention(nn.Module):
         v = self._heads(self.v_proj, x)
         keys = k if past_k is None else torch.cat((past_k, k), dim=2)
         values = v if past_v is None else torch.cat((past_v, v), dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+        if mask is None and past_k is not None:  # is_causal aligns top-left: only right for a square mask
+            mask = causal_mask(k.shape[2], keys.shape[2], x.device)[None, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=q.shape[1] != keys.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)), k, v
+
+    def forward_ttt(self, x, cos, sin, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]):
+        """A training-time-test step >= 1 without attending over every earlier step's whole sequence.
+
+        Query t sees the step-0 keys at positions <= t and, from each later step (this one included), only the
+        key at its own position t (:func:`ttt_mask`). Rather than one attention over all steps' keys with that
+        mostly-False mask, the step-0 part is a (T, T) causal score block and each later step one score per
+        position (an elementwise dot), softmaxed together: work and memory stay those of one causal attention
+        whatever the step. ``ttt_cache``: [(k, v) of step 0, of step 1, ...], each (B, kv_heads, T, d), rotated.
+        Returns (out (B, T, h), k, v) like :meth:`forward`.
+        """
+        q = apply_rotary(self._heads(self.q_proj, x), cos, sin)
+        k = apply_rotary(self._heads(self.k_proj, x), cos, sin)
+        v = self._heads(self.v_proj, x)
+        (k0, v0), later = ttt_cache[0], ttt_cache[1:] + [(k, v)]
+        B, heads, T, d = q.shape
+        groups = heads // k0.shape[1]
+        qg = q.view(B, k0.shape[1], groups, T, d)  # query head j reads kv head j // groups (SDPA's GQA layout)
+        scale = d ** -0.5
+        causal = torch.matmul(qg, k0[:, :, None].transpose(-1, -2)) * scale  # (B, kv, g, T, T)
+        causal = causal.masked_fill(~causal_mask(T, T, x.device), float("-inf"))
+        own = torch.stack([(qg * kj[:, :, None]).sum(-1) for kj, _ in later], -1) * scale  # (B, kv, g, T, steps)
+        probs = torch.cat((causal, own), -1).softmax(-1, dtype=torch.float32).to(q.dtype)
+        own_values = torch.stack([vj for _, vj in later], -2)[:, :, None]  # (B, kv, 1, T, steps, d)
+        out = torch.matmul(probs[..., :T], v0[:, :, None]) + (probs[..., T:, None] * own_values).sum(-2)
+        out = out.reshape(B, heads, T, d)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
 class SwiGLU(nn.Module):
@@ -286,8 +316,9 @@ class EagleDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, config.intermediate_size)
 
-    def forward(self, x, cos, sin, mask, past_k=None, past_v=None):
+    def forward(self, x, cos, sin, mask, past_k=None, past_v=None, ttt_cache=None):
         """See the class docstring for ``x``; cos/sin (B, 1, T, d); mask (B|1, 1, T, S) bool.
+        ``ttt_cache``: a training-time-test step >= 1 (:meth:`EagleAttention.forward_ttt`; mask and past unused).
 
         Returns (out (B, T, h), k, v) with k, v this call's (B, kv_heads, T, d).
         """
@@ -296,7 +327,10 @@ class EagleDecoderLayer(nn.Module):
             attn_in = torch.cat((self.input_layernorm(embed), self.hidden_norm(residual)), dim=-1)
         else:
             residual = attn_in = self.input_layernorm(x)
-        attn_out, k, v = self.self_attn(attn_in, cos, sin, mask, past_k, past_v)
+        if ttt_cache is not None:
+            attn_out, k, v = self.self_attn.forward_ttt(attn_in, cos, sin, ttt_cache)
+        else:
+            attn_out, k, v = self.self_attn(attn_in, cos, sin, mask, past_k, past_v)
         x = residual + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -317,6 +351,12 @@ def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) int64 ids of the n largest counts, ascending; equal counts go to the lower id (deterministic)."""
+    order = torch.sort(torch.as_tensor(token_counts).flatten().double(), descending=True, stable=True).indices
+    return order[:n].sort().values.to(torch.int64)
+
+
 def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft vocabulary: the ``draft_vocab_size`` most frequent tokens (ties: lower id first).
 
@@ -331,9 +371,7 @@ def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[
     _require_int("draft_vocab_size", draft_vocab_size)
     if draft_vocab_size > vocab:
         raise SpectrainError(f"draft_vocab_size {draft_vocab_size} exceeds the {vocab} token counts given")
-    # A stable sort keeps equal counts in id order, which is the tie-break.
-    order = torch.sort(counts.double(), descending=True, stable=True).indices
-    chosen = order[:draft_vocab_size].sort().values.to(torch.int64)
+    chosen = most_frequent(counts, draft_vocab_size)
     d2t = chosen - torch.arange(draft_vocab_size, dtype=torch.int64)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[chosen] = True
@@ -469,7 +507,7 @@ class EagleDrafter(nn.Module):
         return self.forward_hidden(input_ids, hidden, embed_tokens, position_ids, attn_mask, past_kv)
 
     def forward_hidden(self, input_ids, hidden, embed_tokens: EmbedLike, position_ids=None, attn_mask=None,
-                       past_kv=None):
+                       past_kv=None, ttt_cache=None):
         """:meth:`forward` with an h-wide hidden input: eagle1's features, or eagle3's fused state.
 
         eagle3 draft steps after the first feed the drafter's own previous output here (not fused aux).
@@ -484,9 +522,9 @@ class EagleDrafter(nn.Module):
         device = input_ids.device
         if position_ids is None:
             position_ids = (past + torch.arange(T, device=device)).expand(B, T)
-        if attn_mask is None:
+        if attn_mask is None and past:
             attn_mask = causal_mask(T, past + T, device)[None, None]
-        if attn_mask.dtype != torch.bool or attn_mask.shape[-2:] != (T, past + T):
+        if attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.shape[-2:] != (T, past + T)):
             raise SpectrainError(f"attn_mask must be bool (B, 1, {T}, {past + T}), got {attn_mask.dtype} "
                                  f"{tuple(attn_mask.shape)}")
         dtype = self.fc.weight.dtype
@@ -494,7 +532,7 @@ class EagleDrafter(nn.Module):
         hidden = hidden.to(dtype)
         x = torch.cat((embeds, hidden), -1) if self.is_eagle3 else self.fc(torch.cat((embeds, hidden), -1))
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
-        out, k, v = self.layer(x, cos, sin, attn_mask, past_k, past_v)
+        out, k, v = self.layer(x, cos, sin, attn_mask, past_k, past_v, ttt_cache=ttt_cache)
         return out, (k, v)
 
     def logits(self, hidden: torch.Tensor, verifier_lm_head: nn.Module | None = None) -> torch.Tensor:
@@ -526,14 +564,11 @@ class EagleDrafter(nn.Module):
         base = torch.arange(T, device=input_ids.device).expand(B, T)
         # eagle1 unrolls the same way: its step-i input is its own predicted feature (validation, drafting).
         hidden = self.fuse(aux) if self.is_eagle3 else aux
-        keys, values, outs = [], [], []
-        for step in range(steps):
-            past_kv = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
-            hidden, (k, v) = self.forward_hidden(
-                _shift_left(input_ids, step, pad_id), hidden, embed_tokens, position_ids=base + step,
-                attn_mask=ttt_mask(T, step, input_ids.device)[None, None], past_kv=past_kv)
-            keys.append(k)
-            values.append(v)
+        cache, outs = [], []
+        for step in range(steps):  # step 0: causal attention; later steps: forward_ttt (same result as ttt_mask)
+            hidden, kv = self.forward_hidden(_shift_left(input_ids, step, pad_id), hidden, embed_tokens,
+                                             position_ids=base + step, ttt_cache=cache if step else None)
+            cache.append(kv)
             outs.append(hidden)
         return outs
 

@@ -13,21 +13,9 @@ from pathlib import Path
 import torch
 
 from .errors import SpectrainError
+from .precision import resolve_dtype  # noqa: F401  (re-exported: callers import it from here)
 
 BUNDLED_PREFIX = "bundled:"
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """``"auto"`` means bf16 on CUDA and fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise SpectrainError(f"unknown dtype {dtype!r}; expected auto or one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def _looks_like_path(name: str) -> bool:

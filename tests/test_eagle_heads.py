@@ -306,3 +306,42 @@ def test_load_refuses_other_verifier_and_stray_tensors(tmp_path, verifiers):
                  {**drafter.state_dict(), "embed_tokens.weight": verifier.get_input_embeddings().weight})
     with pytest.raises(SpectrainError, match="unexpected .*embed_tokens"):
         EagleDrafter.from_pretrained(tmp_path / "eagle")
+
+
+@pytest.mark.parametrize("arch,layers", ARCHS)
+def test_ttt_diagonal_attention_equals_the_masked_attention_with_gradients(verifiers, arch, layers):
+    """forward_ttt (step-0 causal block + one own-key score per later step) == one SDPA over all steps' keys
+    under ttt_mask, in outputs and in gradients (GQA verifiers included)."""
+    from spectrain.heads.eagle import _shift_left
+
+    verifier = verifiers(arch, layers)
+    drafter = make_drafter(verifier, "eagle3")
+    embed = verifier.get_input_embeddings()
+    ids, aux = sample_batch(verifier, drafter, T=6)
+
+    def masked(steps):  # the reference: every earlier step's keys concatenated, ttt_mask over them
+        B, T = ids.shape
+        base = torch.arange(T).expand(B, T)
+        hidden, keys, values, outs = drafter.fuse(aux), [], [], []
+        for step in range(steps):
+            past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
+            hidden, (k, v) = drafter.forward_hidden(_shift_left(ids, step, 0), hidden, embed, position_ids=base + step,
+                                                    attn_mask=ttt_mask(T, step)[None, None], past_kv=past)
+            keys.append(k)
+            values.append(v)
+            outs.append(hidden)
+        return outs
+
+    results = []
+    for run in (lambda: drafter.ttt_hidden(ids, aux, embed, steps=4), lambda: masked(4)):
+        drafter.zero_grad()
+        outs = run()
+        sum((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(i))).sum()
+            for i, o in enumerate(outs)).backward()
+        results.append(([o.detach() for o in outs],
+                        {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
+    (got, got_grads), (want, want_grads) = results
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-5)

@@ -11,6 +11,7 @@ from spectrain.train.medusa import MedusaModule
 
 def module(verifier_factory, **kw) -> MedusaModule:
     kw.setdefault("num_heads", 3)
+    kw.setdefault("verifier_dtype", "float32")  # compared against fp32 references below
     return MedusaModule(verifier=str(verifier_factory("llama", False)), **kw)
 
 

@@ -2,39 +2,47 @@
 
 It owns the frozen verifier (outside the optimizer, never checkpointed) and the
 shared machinery: optimizer and schedule, validation counters reduced across
-ranks, checkpoint filtering. A drafter subclass provides four things:
-``build_drafter``, ``drafter_loss``, ``validation_counts`` and ``val_metrics``.
+ranks, checkpoint filtering, precision (the verifier in the run's compute dtype, loaded natively so its
+fp32 RoPE tables stay fp32), the training vocabulary and the loss's recompute-or-keep decision. A drafter
+subclass provides ``build_drafter``, ``drafter_loss``, ``validation_counts``, ``val_metrics`` and
+``summary_rows``.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Literal, Optional
 
 import lightning as L
 import torch
 
+from spectrain.heads.eagle import most_frequent
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.host_memory import keep_freed_memory
 from spectrain.heads.schedule import cosine_with_warmup
-from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype, verifier_features
+from spectrain.heads.precision import cast_module, resolve_dtype
+from spectrain.heads.verifier import load_verifier, max_context, verifier_features
 
-from .losses import projected_topk
+from .losses import default_memory_budget, logits_bytes, projected_topk
 
 VERIFIER_PREFIX = "verifier."
 # The frozen verifier stays in eval mode on purpose; Lightning would warn about it on every fit.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
 
 
-def build_optimizer(drafter: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def build_optimizer(drafter: torch.nn.Module, lr: float, weight_decay: float,
+                    loss_scaling: bool = False) -> torch.optim.AdamW:
     """AdamW over the drafter's trainable weights (no decay on biases and norms).
 
     Fused where possible: the unfused CPU AdamW allocates W-sized temporaries per parameter, which is the peak
     of the whole step for per-head lm_heads over a large vocabulary (see train/bench_memory.py); fused is faster too.
+    Not fused under fp16 loss scaling (``loss_scaling``): a fused AdamW unscales inside its step, after
+    clipping would have seen the scaled gradients.
     """
     params = [p for p in drafter.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params)
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params) and not loss_scaling
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused or None)
 
 
@@ -44,14 +52,24 @@ class DrafterModule(L.LightningModule):
     Args:
         verifier: HF hub id, local model directory, or ``bundled:tinyshakespeare``.
         verifier_gguf_file: GGUF file name inside ``verifier`` (the weights are dequantized on load).
-        verifier_dtype: ``auto`` (bf16 on CUDA, fp32 on CPU), ``float32`` or ``bfloat16``.
+        verifier_dtype: ``auto`` (bf16 where the device multiplies bf16 natively: CUDA, CPUs with AMX or
+            AVX512-BF16; fp32 elsewhere), ``float32`` or ``bfloat16``. The CLIs set it from the run's precision.
         trust_remote_code: allow the verifier's own modelling code; off unless you trust it.
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay.
         warmup_steps: linear warmup steps before the cosine decay.
         min_lr_ratio: the cosine decays to ``lr * min_lr_ratio``.
-        loss_chunk_size: rows per chunk of the vocabulary projection in the loss (bounds peak memory);
-            null projects all rows at once and keeps their logits for backward (the reference path).
+        loss_chunk_size: rows per chunk of the vocabulary projection when the loss recomputes it in backward;
+            null never chunks (the reference path).
+        loss_recompute: ``auto`` projects all rows at once and keeps the logits for backward when they fit
+            ``loss_memory_budget_gb`` (no recompute), else chunks under activation checkpointing; ``always`` /
+            ``never`` force either.
+        loss_memory_budget_gb: memory the loss may keep for backward; default a quarter of what is available
+            when training starts (host memory on CPU, free device memory on CUDA).
+        train_vocab_size: Medusa / EAGLE-1: project the loss onto the N most frequent loss-masked tokens of the
+            training data only (the verifier's own rows; exports keep the full vocabulary). Hard targets outside
+            it are dropped from the loss (counted: ``train/dropped_frac``); soft targets are the verifier's
+            distribution renormalised over it. null: the whole vocabulary.
         init_from: start from a trained drafter instead of a fresh one: a spectrain run directory or an
             export in any ``spectrain-export`` format (vLLM, SGLang, TensorRT-LLM, speculators); its shape
             must match this run's (heads, layers, draft vocabulary), and an EAGLE-3 keeps its d2t/t2d.
@@ -68,6 +86,9 @@ class DrafterModule(L.LightningModule):
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
         loss_chunk_size: Optional[int] = 256,
+        loss_recompute: Literal["auto", "always", "never"] = "auto",
+        loss_memory_budget_gb: Optional[float] = None,
+        train_vocab_size: Optional[int] = None,
         init_from: Optional[str] = None,
     ):
         super().__init__()
@@ -78,12 +99,33 @@ class DrafterModule(L.LightningModule):
         self.verifier_name = verifier
         self.verifier_dtype = verifier_dtype
         self.lr, self.weight_decay, self.warmup_steps, self.min_lr_ratio = lr, weight_decay, warmup_steps, min_lr_ratio
-        self.loss_chunk_size = loss_chunk_size
-        loaded = load_verifier(verifier, gguf_file=verifier_gguf_file, dtype="float32",
+        if loss_recompute not in ("auto", "always", "never"):
+            raise SpectrainError(f"model.loss_recompute must be auto, always or never, got {loss_recompute!r}")
+        if loss_memory_budget_gb is not None and loss_memory_budget_gb <= 0:
+            raise SpectrainError(f"model.loss_memory_budget_gb must be > 0, got {loss_memory_budget_gb}")
+        if train_vocab_size is not None and train_vocab_size < 1:
+            raise SpectrainError(f"model.train_vocab_size must be >= 1 (or null for the whole vocabulary), "
+                                 f"got {train_vocab_size}")
+        self.loss_chunk_size, self.loss_recompute = loss_chunk_size, loss_recompute
+        self.loss_memory_budget_gb = loss_memory_budget_gb
+        self._loss_budget: Optional[int] = None
+        # Loaded directly in the compute dtype of the device it will train on (not cast later): a native
+        # bf16 load keeps HF's fp32 rotary tables, and no fp32 copy of a large verifier is ever made.
+        self.verifier_device = "cuda" if torch.cuda.is_available() else "cpu"
+        loaded = load_verifier(verifier, gguf_file=verifier_gguf_file,
+                               dtype=resolve_dtype(verifier_dtype, self.verifier_device),
                                trust_remote_code=trust_remote_code)
         self.verifier = loaded.model
         self.tokenizer = loaded.tokenizer
         self.drafter = self.build_drafter()
+        vocab = self.verifier_lm_head.weight.shape[0]
+        if train_vocab_size is not None and train_vocab_size > vocab:
+            raise SpectrainError(f"model.train_vocab_size {train_vocab_size} exceeds the verifier's vocabulary of {vocab}")
+        self.train_vocab_size = train_vocab_size
+        # (N,) vocabulary ids of the training vocabulary and the (V,) map back (-1 outside); set in setup().
+        self.register_buffer("train_rows", None, persistent=False)
+        self.register_buffer("to_train_row", None, persistent=False)
+        self._frozen_rows: dict = {}
         self.init_from = init_from
         if init_from:
             self.load_initial_drafter(init_from)
@@ -170,10 +212,20 @@ class DrafterModule(L.LightningModule):
     def verifier_context(self) -> int:
         return max_context(self.verifier.config)
 
+    def needs_greedy(self, training: bool) -> bool:
+        """Whether a step reads the verifier's greedy tokens (validation always does)."""
+        return not training
+
     @torch.no_grad()
-    def features(self, batch: dict) -> dict[str, torch.Tensor]:
-        """Verifier features of a batch: last hidden (B, T, H), extra layers, greedy next tokens (B, T)."""
+    def features(self, batch: dict, greedy: bool = True) -> dict[str, torch.Tensor]:
+        """Verifier features of a batch: last hidden (B, T, H), extra layers, and (B, T) greedy next tokens.
+
+        The greedy tokens cost a projection onto the whole vocabulary: they are computed only when ``greedy``
+        asks for them and the batch (from a store) does not carry them already. A store's top-k teacher
+        (``topk_ids``, ``topk_logprobs``, (B, T, k)) is passed through.
+        """
         self.verifier.eval()
+        out: dict[str, torch.Tensor] = {}
         if "hidden" in batch:  # offline store: the verifier already ran (spectrain-extract)
             dtype = self.verifier_lm_head.weight.dtype
             last = batch["hidden"].to(dtype)
@@ -181,17 +233,62 @@ class DrafterModule(L.LightningModule):
             stored = list(self._store_layers)
             layers = [batch["aux"][..., stored.index(i) * width:(stored.index(i) + 1) * width].to(dtype)
                       for i in self.feature_layer_ids()]
+            out.update({k: batch[k] for k in ("greedy", "topk_ids", "topk_logprobs") if k in batch})
         else:
             last, layers = verifier_features(self.verifier, batch["input_ids"], batch.get("attention_mask"),
                                              self.feature_layer_ids())
-        head = self.verifier_lm_head
-        greedy = projected_topk(last, head.weight, head.bias, k=1, chunk_size=self.topk_chunk_size)[..., 0]
-        return {"hidden": last, "layers": layers, "greedy": greedy}
+        out.update(hidden=last, layers=layers)
+        if greedy and "greedy" not in out:
+            head = self.verifier_lm_head
+            out["greedy"] = projected_topk(last, head.weight, head.bias, k=1, chunk_size=self.topk_chunk_size)[..., 0]
+        return out
+
+    # -- training vocabulary and loss memory -------------------------------------------------------------------
+    def set_train_vocab(self, rows) -> None:
+        """Choose the training vocabulary: the ``train_vocab_size`` most frequent loss-masked tokens of ``rows``."""
+        counts = token_counts(rows, self.verifier_lm_head.weight.shape[0])
+        top = most_frequent(counts, self.train_vocab_size)  # the same rule as EAGLE-3's draft vocabulary
+        device = self.verifier_lm_head.weight.device
+        self.train_rows = top.to(device)
+        to_row = torch.full((counts.shape[0],), -1, dtype=torch.long)
+        to_row[top] = torch.arange(top.shape[0])
+        self.to_train_row = to_row.to(device)
+        self._frozen_rows = {}
+
+    def frozen_rows(self, head: torch.nn.Module, rows: Optional[torch.Tensor],
+                    version: object = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(weight, bias) of a frozen projection restricted to ``rows`` (all if None), made once and kept.
+
+        ``version`` identifies the row set when ``rows`` is rebuilt per call (default: the tensor itself).
+
+        The verifier's ``lm_head`` never changes, so its row subset (and its cast to the verifier's compute
+        dtype) is not re-gathered every chunk of every step.
+        """
+        if rows is None:
+            return head.weight, head.bias
+        key = (id(head), head.weight.device, head.weight.dtype, rows.shape[0],
+               rows.data_ptr() if version is None else version)
+        if key not in self._frozen_rows:
+            rows = rows.to(head.weight.device)
+            self._frozen_rows = {key: (head.weight[rows].detach().contiguous(),
+                                       None if head.bias is None else head.bias[rows].detach().contiguous())}
+        return self._frozen_rows[key]
+
+    def recompute_loss(self, rows: int, vocab: int) -> bool:
+        """Whether the loss should chunk and recompute its projection of ``rows`` x ``vocab`` logits in backward."""
+        if self.loss_recompute != "auto":
+            return self.loss_recompute == "always"
+        if self._loss_budget is None:
+            self._loss_budget = (int(self.loss_memory_budget_gb * 2**30) if self.loss_memory_budget_gb
+                                 else default_memory_budget(self.device))
+        return logits_bytes(rows, vocab) > self._loss_budget
 
     def setup(self, stage: str) -> None:
         data = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if data is not None and getattr(data, "store_meta", None) is not None:
             self.use_store(data.store_meta)
+        if self.train_vocab_size and self.train_rows is None and data is not None and data.train_set is not None:
+            self.set_train_vocab(data.vocab_rows() if hasattr(data, "vocab_rows") else data.train_set)
 
     def use_store(self, meta: dict) -> None:
         """Check an offline store against this verifier and drafter before training on it."""
@@ -207,12 +304,19 @@ class DrafterModule(L.LightningModule):
         self._store_layers = tuple(meta["layer_ids"])
 
     def on_fit_start(self) -> None:
+        if self.device.type == "cpu":
+            keep_freed_memory()  # else every step re-faults its vocabulary-sized buffers (host_memory.py)
         dtype = resolve_dtype(self.verifier_dtype, self.device)
-        self.verifier.to(dtype)
+        if self.verifier_lm_head.weight.dtype != dtype:  # trained on another device than the one loaded for
+            cast_module(self.verifier, dtype)
+            self._frozen_rows = {}
+
+    def teardown(self, stage: str) -> None:
+        self._frozen_rows = {}  # cached row subsets are not moved by .to()/.cpu(): never keep one past a stage
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss, parts = self.drafter_loss(batch, self.features(batch))
+        loss, parts = self.drafter_loss(batch, self.features(batch, greedy=self.needs_greedy(training=True)))
         self.trained_tokens += int(batch["attention_mask"].sum())
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         self.log_dict({f"train/{k}": v for k, v in parts.items()}, batch_size=batch["input_ids"].shape[0])
@@ -236,11 +340,31 @@ class DrafterModule(L.LightningModule):
 
     # -- optimizer ------------------------------------------------------------------------------------------------
     def configure_optimizers(self):
-        optimizer = build_optimizer(self.drafter, self.lr, self.weight_decay)
+        scaling = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
+        optimizer = build_optimizer(self.drafter, self.lr, self.weight_decay, loss_scaling=scaling)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: cosine_with_warmup(step, self.warmup_steps, total, self.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip the drafter's gradients ourselves unless a loss scaler or a sharded strategy is in play.
+
+        Lightning's mixed-precision plugin refuses to clip for any optimizer that *could* unscale internally
+        (fused AdamW), even under bf16 where nothing is scaled; bf16 gradients need no unscaling, so clipping
+        them here is exact. fp16 (a scaler; the optimizer is then unfused) and FSDP keep Lightning's path.
+        """
+        if not gradient_clip_val:
+            return
+        plugin = self.trainer.precision_plugin
+        sharded = "fsdp" in type(self.trainer.strategy).__name__.lower()
+        if getattr(plugin, "scaler", None) is not None or sharded:
+            return self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
 
     # -- checkpoints: trainable weights + resume state, never the verifier ----------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -271,3 +395,13 @@ class DrafterModule(L.LightningModule):
         return {k[len("drafter."):]: v for k, v in state.items() if k.startswith("drafter.")}
 
     method_name = "drafter"
+
+
+def token_counts(rows, vocab_size: int) -> torch.Tensor:
+    """(V,) int64 counts of the loss-masked tokens (all tokens where a row has no ``loss_mask``) over ``rows``."""
+    kept = []
+    for row in rows:
+        ids = torch.as_tensor(row["input_ids"]).reshape(-1)
+        kept.append(ids[torch.as_tensor(row["loss_mask"]).reshape(-1).bool()] if "loss_mask" in row else ids)
+    ids = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
+    return torch.bincount(ids.long(), minlength=vocab_size)[:vocab_size]

@@ -28,6 +28,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from spectrain.data.datamodule import DrafterDataModule
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.precision import precision_dtype, training_precision
 from spectrain.heads.report import finish, format_table
 
 from .base import DrafterModule
@@ -107,6 +108,18 @@ class SpectrainCLI(LightningCLI):
                                  "available; use --trainer.strategy ddp on CPUs")
         if cfg.checkpoint_every < 1:
             raise SpectrainError(f"--checkpoint_every must be >= 1, got {cfg.checkpoint_every}")
+        self.resolve_precision(cfg)
+
+    @staticmethod
+    def resolve_precision(cfg) -> None:
+        """Unset ``trainer.precision`` = bf16-mixed where the device multiplies bf16 natively (CUDA, CPUs with
+        AMX / AVX512-BF16), else 32-true; ``model.verifier_dtype: auto`` follows the run's precision, so
+        ``--trainer.precision 32-true`` trains in fp32 throughout. Both land resolved in ``config.yaml``."""
+        accelerator = str(cfg.trainer.get("accelerator") or "auto")
+        device = "cuda" if torch.cuda.is_available() and accelerator in ("auto", "gpu", "cuda") else "cpu"
+        cfg.trainer.precision = training_precision(cfg.trainer.get("precision"), device)
+        if cfg.model.verifier_dtype == "auto":
+            cfg.model.verifier_dtype = str(precision_dtype(cfg.trainer.precision)).replace("torch.", "")
 
     def instantiate_trainer(self, **kwargs):
         cfg = self.config
@@ -121,9 +134,6 @@ class SpectrainCLI(LightningCLI):
         callbacks = list(trainer_cfg.get("callbacks") or []) + [self.checkpoint, self.resume_checkpoint]
         kwargs.update(default_root_dir=str(self.run_dir), callbacks=callbacks, logger=self._logger(cfg),
                       use_distributed_sampler=False)  # the training loader shards itself over ranks
-        if trainer_cfg.get("precision") is None:
-            on_gpu = torch.cuda.is_available() and trainer_cfg.get("accelerator", "auto") in ("auto", "gpu", "cuda")
-            kwargs["precision"] = "bf16-mixed" if on_gpu else "32-true"
         return super().instantiate_trainer(**kwargs)
 
     def _logger(self, cfg):
@@ -171,13 +181,20 @@ def train(model_class: type[DrafterModule], default_config: str, args=None) -> P
 RESUME_MAY_CHANGE = ("force", "checkpoint_every", "logger", "wandb_project")
 
 
-def _comparable(config_text: str) -> str:
-    """A resolved config minus the keys that may differ between a run and its resumption."""
+def _comparable(config_text: str, unresolved_precision: bool = False) -> str:
+    """A resolved config minus the keys that may differ between a run and its resumption.
+
+    ``unresolved_precision``: the saved config predates resolved precisions (``precision: null``, ``verifier_dtype:
+    auto``), so precision is left out of the comparison rather than called a change.
+    """
     import yaml
 
     config = yaml.safe_load(config_text) or {}
     for key in RESUME_MAY_CHANGE:
         config.pop(key, None)
+    if unresolved_precision:
+        (config.get("trainer") or {}).pop("precision", None)
+        (config.get("model") or {}).pop("verifier_dtype", None)
     return yaml.safe_dump(config, sort_keys=True)
 
 
@@ -198,7 +215,9 @@ def prepare_run_dir(cli: SpectrainCLI) -> str | None:
         candidates = [p for p in (checkpoints / "resume.ckpt", checkpoints / "last.ckpt") if p.is_file()]
         if candidates:
             saved = run_dir / "config.yaml"
-            if saved.is_file() and _comparable(saved.read_text()) != _comparable(config_text):
+            old = saved.read_text() if saved.is_file() else None
+            unresolved = old is not None and "precision: null" in old  # saved before precisions were resolved
+            if old is not None and _comparable(old, unresolved) != _comparable(config_text, unresolved):
                     raise SpectrainError(f"{run_dir} holds an unfinished run with another config ({saved}); re-run "
                                          "the same command to resume it, or pass --force to start over")
             steps = {path: _checkpoint_step(path) for path in candidates}  # also proves each is readable

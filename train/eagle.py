@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError
 
-from .base import DrafterModule
-from .losses import projected_cross_entropy, projected_topk
+from .base import DrafterModule, token_counts
+from .losses import projected_cross_entropy, projected_topk, sparse_teacher
 
 
 class EagleModule(DrafterModule):
@@ -59,6 +59,9 @@ class EagleModule(DrafterModule):
         self.draft_vocab_size, self.aux_layer_ids = draft_vocab_size, aux_layer_ids
         self.ttt_steps, self.feature_noise, self.step_decay, self.val_steps = ttt_steps, feature_noise, step_decay, val_steps
         self.feature_loss_weight, self.ce_loss_weight = feature_loss_weight, ce_loss_weight
+        if variant == "eagle3" and kwargs.get("train_vocab_size") is not None:
+            raise SpectrainError("eagle3 trains over its own draft vocabulary: set model.draft_vocab_size, not "
+                                 "model.train_vocab_size")
         super().__init__(**kwargs)
 
     def build_drafter(self) -> EagleDrafter:
@@ -83,12 +86,7 @@ class EagleModule(DrafterModule):
 
     def set_vocab_from(self, rows) -> None:
         """Build d2t/t2d from token frequencies of loss-masked tokens in ``rows`` and warm-start the lm_head."""
-        V = self.drafter.config.vocab_size
-        counts = torch.zeros(V, dtype=torch.long)
-        for row in rows:
-            ids = torch.as_tensor(row["input_ids"])
-            mask = torch.as_tensor(row["loss_mask"]).bool() if "loss_mask" in row else torch.ones_like(ids, dtype=torch.bool)
-            counts += torch.bincount(ids[mask], minlength=V)
+        counts = token_counts(rows, self.drafter.config.vocab_size)
         d2t, t2d = build_vocab_map(counts, self.drafter.config.draft_vocab_size)
         self.drafter.set_vocab_map(d2t.to(self.drafter.d2t.device), t2d.to(self.drafter.t2d.device))
         self.drafter.init_lm_head_from(self.verifier_lm_head)
@@ -110,8 +108,8 @@ class EagleModule(DrafterModule):
         hidden = features["hidden"]
         T = hidden.shape[1]
         target_mask = (batch["loss_mask"] * batch["attention_mask"]).bool()
-        head = self.verifier_lm_head
         ids, feats = self._inputs(batch, features)
+        sparse = "topk_ids" in features  # a store's top-k of q: no teacher projection at all
         if self.variant == "eagle1":
             noisy = feats + self.feature_noise * (torch.rand_like(feats) - 0.5)
             out, _ = self.drafter(ids, noisy, self.embed)  # g_t predicts f_{t+1}
@@ -119,25 +117,42 @@ class EagleModule(DrafterModule):
             pred = out[:, :T - 2].reshape(-1, out.shape[-1])[rows]
             true = hidden[:, 1:T - 1].reshape(-1, hidden.shape[-1])[rows].float()
             feature_loss = F.smooth_l1_loss(pred, true) if rows.numel() else pred.sum() * 0
-            ce = projected_cross_entropy(pred, head.weight, head.bias, teacher_states=true, teacher_weight=head.weight,
-                                         teacher_bias=head.bias, chunk_size=self.loss_chunk_size)
+            weight, bias = self.frozen_rows(self.verifier_lm_head, self.train_rows)
+            common = dict(chunk_size=self.loss_chunk_size, recompute=self.recompute_loss(rows.numel(), weight.shape[0]))
+            if sparse:
+                width = features["topk_ids"].shape[-1]
+                tids, probs = sparse_teacher(features["topk_ids"][:, 1:T - 1].reshape(-1, width)[rows],
+                                             features["topk_logprobs"][:, 1:T - 1].reshape(-1, width)[rows],
+                                             self.to_train_row)
+                ce = projected_cross_entropy(pred, weight, bias, sparse_ids=tids, sparse_probs=probs, **common)
+            else:
+                ce = projected_cross_entropy(pred, weight, bias, teacher_states=true, teacher_weight=weight,
+                                             teacher_bias=bias, **common)
             loss = self.feature_loss_weight * feature_loss + self.ce_loss_weight * ce
             return loss, {"feature_loss": feature_loss.detach(), "ce": ce.detach()}
         outs = self.drafter.ttt_hidden(ids, feats, self.embed, steps=self.ttt_steps)
-        rows_v = self.draft_rows()
-        teacher_weight = head.weight[rows_v]
-        teacher_bias = None if head.bias is None else head.bias[rows_v]
+        d2t = self.drafter.d2t  # the draft rows change only when set_vocab_map() writes d2t
+        teacher_weight, teacher_bias = self.frozen_rows(self.verifier_lm_head, self.draft_rows(),
+                                                        version=("d2t", d2t.data_ptr(), d2t._version))
+        to_draft = self.drafter.target_to_draft(torch.arange(self.drafter.config.vocab_size, device=ids.device),
+                                                ignore_index=-1) if sparse else None
+        steps = [(i, target_mask[:, 2 + i:].reshape(-1).nonzero().squeeze(1)) for i in range(len(outs)) if T - 2 - i > 0]
+        recompute = self.recompute_loss(sum(r.numel() for _, r in steps), teacher_weight.shape[0])
         total, parts = hidden.new_zeros((), dtype=torch.float32), {}
-        for i, out in enumerate(outs):  # step i at t predicts q_{t+1+i}, i.e. token t+2+i
+        for i, rows in steps:  # step i at t predicts q_{t+1+i}, i.e. token t+2+i
             n = T - 2 - i
-            if n <= 0:
-                break
-            rows = target_mask[:, 2 + i:].reshape(-1).nonzero().squeeze(1)
-            states = self.drafter.norm(out[:, :n]).reshape(-1, out.shape[-1])[rows]
-            teacher = hidden[:, 1 + i:T - 1].reshape(-1, hidden.shape[-1])[rows]
-            ce = projected_cross_entropy(states, self.drafter.lm_head.weight, None, teacher_states=teacher,
-                                         teacher_weight=teacher_weight, teacher_bias=teacher_bias,
-                                         chunk_size=self.loss_chunk_size)
+            states = self.drafter.norm(outs[i][:, :n]).reshape(-1, outs[i].shape[-1])[rows]
+            common = dict(chunk_size=self.loss_chunk_size, recompute=recompute)
+            if sparse:
+                width = features["topk_ids"].shape[-1]
+                tids, probs = sparse_teacher(features["topk_ids"][:, 1 + i:T - 1].reshape(-1, width)[rows],
+                                             features["topk_logprobs"][:, 1 + i:T - 1].reshape(-1, width)[rows], to_draft)
+                ce = projected_cross_entropy(states, self.drafter.lm_head.weight, None, sparse_ids=tids,
+                                             sparse_probs=probs, **common)
+            else:
+                teacher = hidden[:, 1 + i:T - 1].reshape(-1, hidden.shape[-1])[rows]
+                ce = projected_cross_entropy(states, self.drafter.lm_head.weight, None, teacher_states=teacher,
+                                             teacher_weight=teacher_weight, teacher_bias=teacher_bias, **common)
             parts[f"step{i + 1}_ce"] = ce.detach()
             total = total + self.step_decay ** i * ce
         return total, parts
@@ -157,6 +172,12 @@ class EagleModule(DrafterModule):
             hit = self._top1(out[:, :n]) == greedy[:, 1 + i:T - 1]
             mask = valid[:, 2 + i:]
             counts[f"n_{i}"], counts[f"top1_ver_{i}"] = mask.sum(), (hit & mask).sum()
+            if i == 0:  # how many of the verifier's next tokens the projected vocabulary holds at all
+                target = greedy[:, 1:T - 1]
+                inside = (self.drafter.t2d[target] if self.variant == "eagle3"
+                          else None if self.to_train_row is None else self.to_train_row[target] >= 0)
+                if inside is not None:
+                    counts["in_vocab_0"] = (inside & mask).sum()
             hits.append(hit)
             masks.append(mask)
         return {**counts, **self.chain_counts(hits, masks)}
@@ -174,6 +195,9 @@ class EagleModule(DrafterModule):
         out = {f"step{i + 1}_top1_ver": float(sums[f"top1_ver_{i}"]) / max(float(sums[f"n_{i}"]), 1.0)
                for i in range(self.val_steps) if f"n_{i}" in sums}
         out["tau_pred"] = 1.0 + float(sums["chain_len"]) / max(float(sums["chain_n"]), 1.0)
+        if "in_vocab_0" in sums:
+            name = "draft_vocab_coverage" if self.variant == "eagle3" else "train_vocab_coverage"
+            out[name] = float(sums["in_vocab_0"]) / max(float(sums["n_0"]), 1.0)
         return out
 
     def summary_rows(self, metrics: dict) -> tuple[list[str], list[list]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -11,7 +11,7 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.medusa import MedusaHeads
 
 from .base import DrafterModule
-from .losses import projected_cross_entropy, projected_topk
+from .losses import projected_cross_entropy, projected_topk, sparse_teacher
 
 Target = Literal["ground_truth", "greedy", "soft"]
 
@@ -55,33 +55,69 @@ class MedusaModule(DrafterModule):
         return MedusaHeads.for_verifier(self.verifier, self.num_heads, self.num_layers, self.shared_lm_head,
                                         verifier_name=self.verifier_name)
 
-    def _head_rows(self, k: int, batch: dict) -> tuple[slice, torch.Tensor]:
-        """Positions t where head k (0-based, predicts t+k+2) has a target, as a row index into (B*T')."""
-        T = batch["input_ids"].shape[1]
-        positions = slice(0, T - k - 2)  # t + k + 2 <= T - 1
-        target_mask = (batch["loss_mask"] * batch["attention_mask"])[:, k + 2:].bool()
-        return positions, target_mask.reshape(-1).nonzero().squeeze(1)
+    def needs_greedy(self, training: bool) -> bool:
+        return not training or self.target == "greedy"
+
+    def _head_targets(self, k: int, batch: dict, features: dict) -> Optional[torch.Tensor]:
+        """(B, T-k-2) hard targets of head k (0-based) at positions t = 0..T-k-3, or None for soft targets."""
+        if self.target == "ground_truth":
+            return batch["input_ids"][:, k + 2:]
+        if self.target == "greedy":
+            return features["greedy"][:, k + 1:-1]
+        return None
+
+    def head_projection(self, k: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(weight, bias) head k's loss projects onto: its lm_head, restricted to the training vocabulary."""
+        weight, bias = self.drafter.lm_head_params(k, self.verifier_lm_head)
+        if self.train_rows is None:
+            return weight, bias
+        if self.drafter.lm_heads is None:  # the verifier's frozen lm_head: gathered once
+            return self.frozen_rows(self.verifier_lm_head, self.train_rows)
+        return weight[self.train_rows], None if bias is None else bias[self.train_rows]
 
     def drafter_loss(self, batch: dict, features) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         hidden = features["hidden"]
-        states = self.drafter.head_states(hidden.float())
+        T = hidden.shape[1]
+        valid = (batch["loss_mask"] * batch["attention_mask"]).bool()
+        to_row = self.to_train_row
+        sparse = "topk_ids" in features and self.target == "soft"
+        plan = []  # per head: (row index into B*(T-k-2), hard targets mapped to projected rows or None)
+        dropped = kept = 0
+        for k in range(self.num_heads):
+            mask = valid[:, k + 2:]
+            targets = self._head_targets(k, batch, features)
+            if targets is not None and to_row is not None:
+                targets = to_row[targets]
+                inside = targets >= 0
+                dropped = dropped + (mask & ~inside).sum()
+                mask = mask & inside
+            rows = mask.reshape(-1).nonzero().squeeze(1)
+            kept = kept + rows.numel()
+            plan.append((rows, None if targets is None else targets.reshape(-1)[rows]))
+        vocab = self.verifier_lm_head.weight.shape[0] if self.train_rows is None else self.train_rows.shape[0]
+        recompute = self.recompute_loss(kept, vocab)
         total = hidden.new_zeros((), dtype=torch.float32)
         parts = {}
-        for k, state in enumerate(states):
-            positions, rows = self._head_rows(k, batch)
-            weight, bias = self.drafter.lm_head_params(k, self.verifier_lm_head)
-            flat = state[:, positions].reshape(-1, state.shape[-1])[rows]
-            if self.target == "soft":
-                teacher = hidden[:, k + 1:hidden.shape[1] - 1].reshape(-1, hidden.shape[-1])[rows]
-                head = self.verifier_lm_head
-                loss = projected_cross_entropy(flat, weight, bias, teacher_states=teacher, teacher_weight=head.weight,
-                                               teacher_bias=head.bias, chunk_size=self.loss_chunk_size)
+        for k, (state, (rows, targets)) in enumerate(zip(self.drafter.head_states(hidden.float()), plan)):
+            weight, bias = self.head_projection(k)
+            flat = state[:, :T - k - 2].reshape(-1, state.shape[-1])[rows]
+            common = dict(chunk_size=self.loss_chunk_size, recompute=recompute)
+            if targets is not None:
+                loss = projected_cross_entropy(flat, weight, bias, target_ids=targets, **common)
+            elif sparse:  # the store's top-k of q at position t+k+1, renormalised over the projected rows
+                width = features["topk_ids"].shape[-1]
+                ids, probs = sparse_teacher(features["topk_ids"][:, k + 1:T - 1].reshape(-1, width)[rows],
+                                            features["topk_logprobs"][:, k + 1:T - 1].reshape(-1, width)[rows], to_row)
+                loss = projected_cross_entropy(flat, weight, bias, sparse_ids=ids, sparse_probs=probs, **common)
             else:
-                source = batch["input_ids"][:, k + 2:] if self.target == "ground_truth" else features["greedy"][:, k + 1:-1]
-                loss = projected_cross_entropy(flat, weight, bias, target_ids=source.reshape(-1)[rows],
-                                               chunk_size=self.loss_chunk_size)
+                teacher = hidden[:, k + 1:T - 1].reshape(-1, hidden.shape[-1])[rows]
+                teacher_weight, teacher_bias = self.frozen_rows(self.verifier_lm_head, self.train_rows)
+                loss = projected_cross_entropy(flat, weight, bias, teacher_states=teacher, teacher_weight=teacher_weight,
+                                               teacher_bias=teacher_bias, **common)
             parts[f"head{k + 1}_loss"] = loss.detach()
             total = total + self.loss_decay ** k * loss
+        if to_row is not None and self.target != "soft":
+            parts["dropped_frac"] = torch.as_tensor(dropped, dtype=torch.float32) / max(float(dropped + kept), 1.0)
         return total, parts
 
     @torch.no_grad()
@@ -103,6 +139,8 @@ class MedusaModule(DrafterModule):
             counts[f"top5_gt_{k}"] = (hit_gt.any(-1) & mask).sum()
             counts[f"top1_ver_{k}"] = (hit_ver[..., 0] & mask).sum()
             counts[f"top5_ver_{k}"] = (hit_ver.any(-1) & mask).sum()
+            if self.to_train_row is not None:  # targets the training vocabulary covers (the rest trained nothing)
+                counts[f"in_train_vocab_{k}"] = ((self.to_train_row[verifier_tok] >= 0) & mask).sum()
             hits.append(hit_ver[..., 0])
             masks.append(mask)
         return {**counts, **self.chain_counts(hits, masks)}
@@ -113,6 +151,8 @@ class MedusaModule(DrafterModule):
             n = max(float(sums[f"n_{k}"]), 1.0)
             for name in ("top1_gt", "top5_gt", "top1_ver", "top5_ver"):
                 out[f"head{k + 1}_{name}"] = float(sums[f"{name}_{k}"]) / n
+        if "in_train_vocab_0" in sums:
+            out["train_vocab_coverage"] = float(sums["in_train_vocab_0"]) / max(float(sums["n_0"]), 1.0)
         if float(sums["chain_n"]) > 0:
             n = max(float(sums["chain_n"]), 1.0)
             out["tau_pred"] = 1.0 + float(sums["chain_len"]) / n
