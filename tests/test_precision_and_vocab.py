@@ -110,7 +110,7 @@ def test_bf16_mixed_training_with_clipping(config, extra, verifier_factory, text
     assert len(GradNormProbe.norms) >= 2 and max(GradNormProbe.norms) <= clip * 1.01
 
 
-def test_clipping_changes_nothing_below_the_threshold(verifier_factory, text_file, tmp_path):
+def test_probe_sees_unclipped_norms_without_a_binding_threshold(verifier_factory, text_file, tmp_path):
     """The probe can fail: without a binding threshold the recorded norms are far above 1e-3."""
     GradNormProbe.norms = []
     train(module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml", args=[
@@ -235,6 +235,33 @@ def test_train_vocab_size_is_checked(verifier_factory):
         EagleModule(variant="eagle3", verifier=path, train_vocab_size=64)
 
 
+def test_sparse_teacher_over_a_row_subset_by_hand():
+    """Top-3 ids [5, 2, 9] with log-probs log(.5), log(.3), log(.2); rows {2, 5} -> ids [1, 0, -1], probs [.625, .375, 0]."""
+    from spectrain.train.losses import sparse_teacher
+
+    to_rows = torch.full((10,), -1)
+    to_rows[2], to_rows[5] = 0, 1
+    ids, probs = sparse_teacher(torch.tensor([[5, 2, 9], [9, 8, 7]]), torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]).log(),
+                                to_rows)
+    assert ids.tolist() == [[1, 0, -1], [-1, -1, -1]]
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0], [0.0, 0.0, 0.0]]))
+    # The loss over those rows: -(.625 log softmax(z)[1] + .375 log softmax(z)[0]); a row with no kept teacher counts 0.
+    states, weight = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    loss = projected_cross_entropy(states, weight, sparse_ids=ids, sparse_probs=probs.double())
+    logp = (states[0] @ weight.T).log_softmax(-1)
+    torch.testing.assert_close(loss, -(0.625 * logp[1] + 0.375 * logp[0]))
+
+
+def test_own_heads_outside_the_training_vocabulary_do_not_decay(verifier_factory):
+    m = MedusaModule(verifier=str(verifier_factory("llama", False)), train_vocab_size=40, weight_decay=0.1)
+    from spectrain.train.base import build_optimizer
+
+    groups = build_optimizer(m.drafter, 1e-3, 0.1, no_decay=m.no_decay_params()).param_groups
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed and not any(id(p) in decayed for head in m.drafter.lm_heads for p in head.parameters())
+    assert all(id(b.linear.weight) in decayed for blocks in m.drafter.blocks for b in blocks)
+
+
 # -- recompute or keep --------------------------------------------------------------------------------------------
 def test_recompute_decision_and_equal_gradients(verifier_factory):
     m = MedusaModule(verifier=str(verifier_factory("llama", False)), loss_memory_budget_gb=1e-6)
@@ -311,3 +338,25 @@ def test_freed_host_memory_is_reused_without_page_faults():
     late = {mode: int(subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
                                      check=True).stdout) for mode in ("default", "keep")}
     assert late["default"] > 5 * 16000 and late["keep"] < late["default"] / 4, late
+
+
+# -- decoding dtype -------------------------------------------------------------------------------------------------
+def test_decode_dtype_follows_capability_then_measurement(verifier_factory, monkeypatch):
+    from spectrain.eval import decode_dtype as dd
+    from spectrain.eval.cli import parse_args, verify_width
+
+    model = load_verifier(str(verifier_factory("llama", False)), dtype="float32").model
+    monkeypatch.setattr(dd, "bf16_is_native", lambda device: False)
+    assert dd.decode_dtype(model, "cpu", 6) == (torch.float32, {"reason": "no native bf16 on this CPU"})
+    monkeypatch.setattr(dd, "bf16_is_native", lambda device: True)
+    timings = iter([0.002, 0.001])  # fp32 then bf16: bf16 measures faster
+    monkeypatch.setattr(dd, "verify_cost", lambda runner, tree, context, repeats: next(timings))
+    dtype, why = dd.decode_dtype(model, "cpu", 6)
+    assert dtype == torch.bfloat16 and why["ms"] == {"float32": 2.0, "bfloat16": 1.0} and why["width"] == 6
+    assert next(model.parameters()).dtype == torch.float32  # the loaded model is not cast; a copy was timed
+    timings = iter([0.001, 0.002])
+    assert dd.decode_dtype(model, "cpu", 1)[0] == torch.float32
+    assert verify_width(parse_args(["--method", "none"])) == 1
+    assert verify_width(parse_args(["--method", "ngram", "--k", "5"])) == 6
+    assert verify_width(parse_args(["--method", "medusa", "--k", "4", "--tree", "auto:32"])) == 33
+    assert verify_width(parse_args(["--method", "eagle", "--k", "4", "--dynamic_tree", "6,8,64"])) == 65

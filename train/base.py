@@ -31,17 +31,19 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the st
 
 
 def build_optimizer(drafter: torch.nn.Module, lr: float, weight_decay: float,
-                    loss_scaling: bool = False) -> torch.optim.AdamW:
+                    loss_scaling: bool = False, no_decay: tuple[torch.Tensor, ...] = ()) -> torch.optim.AdamW:
     """AdamW over the drafter's trainable weights (no decay on biases and norms).
 
     Fused where possible: the unfused CPU AdamW allocates W-sized temporaries per parameter, which is the peak
     of the whole step for per-head lm_heads over a large vocabulary (see train/bench_memory.py); fused is faster too.
     Not fused under fp16 loss scaling (``loss_scaling``): a fused AdamW unscales inside its step, after
-    clipping would have seen the scaled gradients.
+    clipping would have seen the scaled gradients. ``no_decay``: further weights kept out of weight decay.
     """
     params = [p for p in drafter.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    excluded = {id(p) for p in no_decay}
+    decays = [p.ndim >= 2 and id(p) not in excluded for p in params]
+    groups = [{"params": [p for p, d in zip(params, decays) if d], "weight_decay": weight_decay},
+              {"params": [p for p, d in zip(params, decays) if not d], "weight_decay": 0.0}]
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params) and not loss_scaling
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused or None)
 
@@ -195,6 +197,10 @@ class DrafterModule(L.LightningModule):
             counts[f"chain_ge_{j}"] = ((length > j) & chain_ok).sum()
         return counts
 
+    def no_decay_params(self) -> tuple[torch.Tensor, ...]:
+        """Weights that must not decay: e.g. lm_head rows a training vocabulary leaves without gradients."""
+        return ()
+
     def feature_layer_ids(self) -> tuple[int, ...]:
         """HF ``hidden_states`` indices the drafter needs besides the last hidden state."""
         return ()
@@ -341,7 +347,8 @@ class DrafterModule(L.LightningModule):
     # -- optimizer ------------------------------------------------------------------------------------------------
     def configure_optimizers(self):
         scaling = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
-        optimizer = build_optimizer(self.drafter, self.lr, self.weight_decay, loss_scaling=scaling)
+        optimizer = build_optimizer(self.drafter, self.lr, self.weight_decay, loss_scaling=scaling,
+                                    no_decay=self.no_decay_params())
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: cosine_with_warmup(step, self.warmup_steps, total, self.min_lr_ratio))

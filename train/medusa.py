@@ -55,6 +55,12 @@ class MedusaModule(DrafterModule):
         return MedusaHeads.for_verifier(self.verifier, self.num_heads, self.num_layers, self.shared_lm_head,
                                         verifier_name=self.verifier_name)
 
+    def no_decay_params(self) -> tuple[torch.Tensor, ...]:
+        # With a training vocabulary the other rows of each own lm_head get no gradient: decay alone would shrink them.
+        if self.train_vocab_size and self.drafter.lm_heads is not None:
+            return tuple(p for head in self.drafter.lm_heads for p in head.parameters())
+        return ()
+
     def needs_greedy(self, training: bool) -> bool:
         return not training or self.target == "greedy"
 
