@@ -172,7 +172,7 @@ def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "
         if args.method == "eagle":
             return EagleTreeDrafter(heads, verifier.model, dynamic=(depth, topk, budget))
         model = (truncated_verifier(verifier.model, args.draft_layers) if args.method == "truncated"
-                 else load_verifier(args.draft_model, dtype=args.resolved_dtype, device=args.device).model)
+                 else load_verifier(args.draft_model, dtype=next(verifier.model.parameters()).dtype, device=args.device).model)
         return DynamicTreeDrafter(model, depth, topk, budget, max_len)
     if args.method == "medusa":
         return MedusaDrafter(heads, verifier.model.get_output_embeddings(), tree)
@@ -186,7 +186,7 @@ def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "
     if args.method == "draft-model":
         if not args.draft_model:
             raise SpectrainError("--method draft-model needs --draft_model")
-        draft = load_verifier(args.draft_model, dtype=args.resolved_dtype, device=args.device).model
+        draft = load_verifier(args.draft_model, dtype=next(verifier.model.parameters()).dtype, device=args.device).model
         if draft.get_output_embeddings().weight.shape[0] != verifier.model.get_output_embeddings().weight.shape[0]:
             raise SpectrainError("the draft model's vocabulary differs from the verifier's")
         return ModelDrafter(draft, tree.size, max_len)
@@ -305,7 +305,6 @@ def evaluate(args) -> Path:
             del verifier
             verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, dtype=dtype, device=args.device,
                                      trust_remote_code=args.trust_remote_code)
-    args.resolved_dtype = dtype  # a draft model runs in the verifier's dtype
     tokenizer = verifier.tokenizer
     context = max_context(verifier.config)
     if args.max_new_tokens < 1:

@@ -23,7 +23,7 @@ from spectrain.heads.schedule import cosine_with_warmup
 from spectrain.heads.precision import cast_module, resolve_dtype
 from spectrain.heads.verifier import load_verifier, max_context, verifier_features
 
-from .losses import default_memory_budget, logits_bytes, projected_topk
+from .losses import default_memory_budget, logits_bytes, projected_topk, sparse_teacher
 
 VERIFIER_PREFIX = "verifier."
 # The frozen verifier stays in eval mode on purpose; Lightning would warn about it on every fit.
@@ -279,6 +279,27 @@ class DrafterModule(L.LightningModule):
             self._frozen_rows = {key: (head.weight[rows].detach().contiguous(),
                                        None if head.bias is None else head.bias[rows].detach().contiguous())}
         return self._frozen_rows[key]
+
+    def teacher(self, features: dict, start: int, rows: torch.Tensor, projected: Optional[torch.Tensor],
+                to_projected: Optional[torch.Tensor], version: object = None) -> dict[str, torch.Tensor]:
+        """The soft target of a loss: :func:`projected_cross_entropy`'s teacher arguments for the verifier's
+        next-token distributions at positions ``start .. T-2`` (flattened, then ``rows`` (N,) of them).
+
+        From a store with top-k: the sparse teacher mapped into the projected rows (``to_projected``: (V,) ->
+        row or -1), no projection at all. Otherwise the dense teacher: the last hidden states through the
+        verifier's ``lm_head`` restricted to ``projected`` (vocabulary ids, or None for all; ``version`` as in
+        :meth:`frozen_rows`).
+        """
+        hidden = features["hidden"]
+        end = hidden.shape[1] - 1
+        if "topk_ids" in features:
+            width = features["topk_ids"].shape[-1]
+            ids, probs = sparse_teacher(features["topk_ids"][:, start:end].reshape(-1, width)[rows],
+                                        features["topk_logprobs"][:, start:end].reshape(-1, width)[rows], to_projected)
+            return {"sparse_ids": ids, "sparse_probs": probs}
+        weight, bias = self.frozen_rows(self.verifier_lm_head, projected, version)
+        return {"teacher_states": hidden[:, start:end].reshape(-1, hidden.shape[-1])[rows], "teacher_weight": weight,
+                "teacher_bias": bias}
 
     def recompute_loss(self, rows: int, vocab: int) -> bool:
         """Whether the loss should chunk and recompute its projection of ``rows`` x ``vocab`` logits in backward."""

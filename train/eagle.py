@@ -12,7 +12,7 @@ from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError
 
 from .base import DrafterModule, token_counts
-from .losses import projected_cross_entropy, projected_topk, sparse_teacher
+from .losses import projected_cross_entropy, projected_topk
 
 
 class EagleModule(DrafterModule):
@@ -109,7 +109,6 @@ class EagleModule(DrafterModule):
         T = hidden.shape[1]
         target_mask = (batch["loss_mask"] * batch["attention_mask"]).bool()
         ids, feats = self._inputs(batch, features)
-        sparse = "topk_ids" in features  # a store's top-k of q: no teacher projection at all
         if self.variant == "eagle1":
             noisy = feats + self.feature_noise * (torch.rand_like(feats) - 0.5)
             out, _ = self.drafter(ids, noisy, self.embed)  # g_t predicts f_{t+1}
@@ -118,41 +117,26 @@ class EagleModule(DrafterModule):
             true = hidden[:, 1:T - 1].reshape(-1, hidden.shape[-1])[rows].float()
             feature_loss = F.smooth_l1_loss(pred, true) if rows.numel() else pred.sum() * 0
             weight, bias = self.frozen_rows(self.verifier_lm_head, self.train_rows)
-            common = dict(chunk_size=self.loss_chunk_size, recompute=self.recompute_loss(rows.numel(), weight.shape[0]))
-            if sparse:
-                width = features["topk_ids"].shape[-1]
-                tids, probs = sparse_teacher(features["topk_ids"][:, 1:T - 1].reshape(-1, width)[rows],
-                                             features["topk_logprobs"][:, 1:T - 1].reshape(-1, width)[rows],
-                                             self.to_train_row)
-                ce = projected_cross_entropy(pred, weight, bias, sparse_ids=tids, sparse_probs=probs, **common)
-            else:
-                ce = projected_cross_entropy(pred, weight, bias, teacher_states=true, teacher_weight=weight,
-                                             teacher_bias=bias, **common)
+            ce = projected_cross_entropy(pred, weight, bias, chunk_size=self.loss_chunk_size,
+                                         recompute=self.recompute_loss(rows.numel(), weight.shape[0]),
+                                         **self.teacher(features, 1, rows, self.train_rows, self.to_train_row))
             loss = self.feature_loss_weight * feature_loss + self.ce_loss_weight * ce
             return loss, {"feature_loss": feature_loss.detach(), "ce": ce.detach()}
         outs = self.drafter.ttt_hidden(ids, feats, self.embed, steps=self.ttt_steps)
         d2t = self.drafter.d2t  # the draft rows change only when set_vocab_map() writes d2t
-        teacher_weight, teacher_bias = self.frozen_rows(self.verifier_lm_head, self.draft_rows(),
-                                                        version=("d2t", d2t.data_ptr(), d2t._version))
-        to_draft = self.drafter.target_to_draft(torch.arange(self.drafter.config.vocab_size, device=ids.device),
-                                                ignore_index=-1) if sparse else None
+        version = ("d2t", d2t.data_ptr(), d2t._version)
+        draft_rows = self.draft_rows()
+        to_draft = (self.drafter.target_to_draft(torch.arange(self.drafter.config.vocab_size, device=ids.device),
+                                                 ignore_index=-1) if "topk_ids" in features else None)
         steps = [(i, target_mask[:, 2 + i:].reshape(-1).nonzero().squeeze(1)) for i in range(len(outs)) if T - 2 - i > 0]
-        recompute = self.recompute_loss(sum(r.numel() for _, r in steps), teacher_weight.shape[0])
+        recompute = self.recompute_loss(sum(r.numel() for _, r in steps), self.drafter.config.draft_vocab_size)
         total, parts = hidden.new_zeros((), dtype=torch.float32), {}
         for i, rows in steps:  # step i at t predicts q_{t+1+i}, i.e. token t+2+i
             n = T - 2 - i
             states = self.drafter.norm(outs[i][:, :n]).reshape(-1, outs[i].shape[-1])[rows]
-            common = dict(chunk_size=self.loss_chunk_size, recompute=recompute)
-            if sparse:
-                width = features["topk_ids"].shape[-1]
-                tids, probs = sparse_teacher(features["topk_ids"][:, 1 + i:T - 1].reshape(-1, width)[rows],
-                                             features["topk_logprobs"][:, 1 + i:T - 1].reshape(-1, width)[rows], to_draft)
-                ce = projected_cross_entropy(states, self.drafter.lm_head.weight, None, sparse_ids=tids,
-                                             sparse_probs=probs, **common)
-            else:
-                teacher = hidden[:, 1 + i:T - 1].reshape(-1, hidden.shape[-1])[rows]
-                ce = projected_cross_entropy(states, self.drafter.lm_head.weight, None, teacher_states=teacher,
-                                             teacher_weight=teacher_weight, teacher_bias=teacher_bias, **common)
+            teacher = self.teacher(features, 1 + i, rows, draft_rows, to_draft, version)
+            ce = projected_cross_entropy(states, self.drafter.lm_head.weight, None, chunk_size=self.loss_chunk_size,
+                                         recompute=recompute, **teacher)
             parts[f"step{i + 1}_ce"] = ce.detach()
             total = total + self.step_decay ** i * ce
         return total, parts

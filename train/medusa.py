@@ -11,7 +11,7 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.medusa import MedusaHeads
 
 from .base import DrafterModule
-from .losses import projected_cross_entropy, projected_topk, sparse_teacher
+from .losses import projected_cross_entropy, projected_topk
 
 Target = Literal["ground_truth", "greedy", "soft"]
 
@@ -86,7 +86,6 @@ class MedusaModule(DrafterModule):
         T = hidden.shape[1]
         valid = (batch["loss_mask"] * batch["attention_mask"]).bool()
         to_row = self.to_train_row
-        sparse = "topk_ids" in features and self.target == "soft"
         plan = []  # per head: (row index into B*(T-k-2), hard targets mapped to projected rows or None)
         dropped = kept = 0
         for k in range(self.num_heads):
@@ -110,16 +109,9 @@ class MedusaModule(DrafterModule):
             common = dict(chunk_size=self.loss_chunk_size, recompute=recompute)
             if targets is not None:
                 loss = projected_cross_entropy(flat, weight, bias, target_ids=targets, **common)
-            elif sparse:  # the store's top-k of q at position t+k+1, renormalised over the projected rows
-                width = features["topk_ids"].shape[-1]
-                ids, probs = sparse_teacher(features["topk_ids"][:, k + 1:T - 1].reshape(-1, width)[rows],
-                                            features["topk_logprobs"][:, k + 1:T - 1].reshape(-1, width)[rows], to_row)
-                loss = projected_cross_entropy(flat, weight, bias, sparse_ids=ids, sparse_probs=probs, **common)
-            else:
-                teacher = hidden[:, k + 1:T - 1].reshape(-1, hidden.shape[-1])[rows]
-                teacher_weight, teacher_bias = self.frozen_rows(self.verifier_lm_head, self.train_rows)
-                loss = projected_cross_entropy(flat, weight, bias, teacher_states=teacher, teacher_weight=teacher_weight,
-                                               teacher_bias=teacher_bias, **common)
+            else:  # q at position t+k+1, over the same rows as the head's projection
+                loss = projected_cross_entropy(flat, weight, bias, **common,
+                                               **self.teacher(features, k + 1, rows, self.train_rows, to_row))
             parts[f"head{k + 1}_loss"] = loss.detach()
             total = total + self.loss_decay ** k * loss
         if to_row is not None and self.target != "soft":
