@@ -5,7 +5,7 @@ only assistant tokens are training targets. The pipeline is:
 
 * :func:`load_records` reads a local ``.json`` / ``.jsonl`` file into dicts;
 * :func:`to_messages` turns one record (ShareGPT, OpenAI ``messages``, Alpaca,
-  MT-bench ``turns``) into OpenAI-style ``[{"role", "content"}]`` messages;
+  MT-bench ``turns``, GSM8K ``question``/``answer``) into OpenAI-style ``[{"role", "content"}]`` messages;
 * :func:`render_chat` renders messages with the tokenizer's own chat template
   and marks which tokens are assistant targets;
 * :func:`tokenize_chat_file` does all three for a file and counts skipped rows.
@@ -139,8 +139,11 @@ def _normalise(record: Any) -> list[dict]:
         return _from_alpaca(record)
     if "turns" in record:
         return _from_turns(record["turns"])
+    if "question" in record:
+        return _from_question(record)
     raise SpectrainError("unrecognised chat record format: expected 'conversations' (ShareGPT), 'messages' (OpenAI), "
-                         f"'instruction'/'output' (Alpaca) or 'turns' (MT-bench); the record has keys {sorted(record)}")
+                         "'instruction'/'output' (Alpaca), 'turns' (MT-bench) or 'question'/'answer' (GSM8K); "
+                         f"the record has keys {sorted(record)}")
 
 
 def _from_sharegpt(turns: Any) -> list[dict]:
@@ -179,6 +182,14 @@ def _from_alpaca(record: dict) -> list[dict]:
     if extra.strip():
         user = f"{user}\n\n{extra}"
     return [{"role": "user", "content": user}, {"role": "assistant", "content": _text(record.get("output"), "output")}]
+
+
+def _from_question(record: dict) -> list[dict]:
+    """GSM8K-style ``question`` and optional ``answer``."""
+    messages = [{"role": "user", "content": _text(record.get("question"), "question")}]
+    if record.get("answer") is not None:
+        messages.append({"role": "assistant", "content": _text(record.get("answer"), "answer")})
+    return messages
 
 
 def _from_turns(turns: Any) -> list[dict]:

@@ -25,13 +25,13 @@ from .calibrate import medusa_diagnostics
 from .costs import draft_cost, plan, probe_state, verify_cost
 from .decode import generate
 from .decode_dtype import decode_dtype
-from .drafters import (Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter, ModelDrafter,
-                       NgramDrafter, truncated_verifier)
+from .drafters import (MAX_NGRAM, Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter, HybridDrafter,
+                       MedusaDrafter, ModelDrafter, NgramDrafter, truncated_verifier)
 from .prompts import BUNDLED, load_prompts
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree, expected_accept_length
 
-METHODS = ("medusa", "eagle", "ngram", "draft-model", "truncated", "none")
+METHODS = ("medusa", "eagle", "ngram", "hybrid", "draft-model", "truncated", "none")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,7 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gguf_file", default=None, help="GGUF file inside --verifier")
     p.add_argument("--method", default="medusa", choices=METHODS, help="drafter kind")
     p.add_argument("--drafter", default=None, help="drafter directory: a train_medusa / train_eagle run dir, or "
-                   "an export in any spectrain-export format (vLLM, SGLang, TensorRT-LLM, speculators)")
+                   "an export in any spectrain-export format (vLLM, SGLang, TensorRT-LLM, speculators); "
+                   "--method hybrid takes either kind")
+    p.add_argument("--min_match", type=int, default=2,
+                   help="--method hybrid: a chain round drafts by prompt lookup when the context's last N or more "
+                        "tokens occurred earlier (and by the learned drafter otherwise); trees always carry the "
+                        "lookup's continuation as one more branch when there is such a match")
     p.add_argument("--draft_model", default=None, help="draft LM for --method draft-model (same tokenizer)")
     p.add_argument("--draft_layers", type=int, default=1, help="layers kept by --method truncated")
     p.add_argument("--allow_verifier_mismatch", action="store_true",
@@ -104,6 +109,19 @@ def check_recorded_verifier(path: str, recorded: str, verifier_name: str, allow_
                              "pass --allow_verifier_mismatch if they are the same model")
 
 
+def load_learned(path: str, verifier, verifier_name: str, allow_mismatch: bool):
+    if not path:
+        raise SpectrainError("--method hybrid needs --drafter (a train_medusa or train_eagle run directory or export)")
+    return load_drafter(path, verifier, verifier_name, allow_mismatch)
+
+
+def learned_kind(method: str, heads) -> str:
+    """The learned drafter's kind behind ``--method`` (hybrid: whichever ``--drafter`` holds)."""
+    if method != "hybrid":
+        return method
+    return "medusa" if isinstance(heads, MedusaHeads) else "eagle"
+
+
 def load_eagle(path: str, verifier, verifier_name: str, allow_mismatch: bool):
     if not path:
         raise SpectrainError("--method eagle needs --drafter (a train_eagle run directory)")
@@ -124,10 +142,11 @@ def verify_width(args) -> int:
     if args.method == "none":
         return 1
     sizes = [args.k]
+    lookup = args.k if args.method == "hybrid" else 0  # a hybrid static tree gains the lookup branch
     if args.tree and args.tree.startswith("auto:") and args.tree[5:].isdigit():
-        sizes.append(int(args.tree[5:]))
+        sizes.append(int(args.tree[5:]) + lookup)
     elif args.tree:
-        sizes.append(Tree.load(args.tree).size)
+        sizes.append(Tree.load(args.tree).size + lookup)
     if args.dynamic_tree and args.dynamic_tree.count(",") == 2 and args.dynamic_tree.rsplit(",", 1)[1].isdigit():
         sizes.append(int(args.dynamic_tree.rsplit(",", 1)[1]))
     return 1 + max(sizes)
@@ -147,9 +166,9 @@ def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
             tree = Tree.load(args.tree)
             trees[f"tree-{tree.size}"] = tree
     if args.dynamic_tree:
-        if args.method not in ("draft-model", "truncated", "eagle"):
+        if learned_kind(args.method, drafter_heads) not in ("draft-model", "truncated", "eagle"):
             raise SpectrainError("--dynamic_tree needs a drafter that drafts autoregressively (eagle, draft-model, "
-                                 "truncated)")
+                                 "truncated, or hybrid with an EAGLE drafter)")
         try:
             depth, topk, budget = (int(x) for x in args.dynamic_tree.split(","))
         except ValueError:
@@ -158,7 +177,7 @@ def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
     if args.method != "none" and not trees:
         raise SpectrainError("nothing to evaluate: give --k > 0 and/or --tree")
     for name, tree in trees.items():
-        if args.method == "medusa" and tree.max_depth > drafter_heads.config.num_heads:
+        if learned_kind(args.method, drafter_heads) == "medusa" and tree.max_depth > drafter_heads.config.num_heads:
             raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter has "
                                  f"{drafter_heads.config.num_heads} heads")
         if args.method in ("ngram", "draft-model", "truncated") and not tree.is_chain and not name.startswith("dynamic"):
@@ -167,6 +186,8 @@ def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
 
 
 def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "") -> Drafter:
+    if args.method == "hybrid":
+        return build_hybrid(args, tree, verifier, heads, name)
     if name.startswith("dynamic"):
         depth, topk, budget = (int(x) for x in args.dynamic_tree.split(","))
         if args.method == "eagle":
@@ -193,6 +214,24 @@ def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "
     return Drafter()
 
 
+def build_hybrid(args, tree: Tree, verifier, heads, name: str) -> HybridDrafter:
+    """Prompt lookup + the learned drafter: a chain switches per round; a tree gains the lookup branch (a dynamic
+    tree's budget keeps room for it, so the whole tree stays within --dynamic_tree's budget)."""
+    k = args.k if args.k > 0 else tree.max_depth
+    if name.startswith("dynamic"):
+        depth, topk, budget = (int(x) for x in args.dynamic_tree.split(","))
+        if budget <= k:
+            raise SpectrainError(f"--dynamic_tree budget {budget} leaves no room beside the lookup branch of {k}")
+        learned = EagleTreeDrafter(heads, verifier.model, dynamic=(depth, topk, budget - k))
+        return HybridDrafter(learned, k, merge=True, min_match=args.min_match)
+    if isinstance(heads, MedusaHeads):
+        learned = MedusaDrafter(heads, verifier.model.get_output_embeddings(), tree)
+    else:
+        learned = (EagleChainDrafter(heads, verifier.model, tree.size) if tree.is_chain
+                   else EagleTreeDrafter(heads, verifier.model, tree=tree))
+    return HybridDrafter(learned, k if not tree.is_chain else tree.size, merge=not tree.is_chain, min_match=args.min_match)
+
+
 # -------------------------------------------------------------------------------------------- runs
 
 
@@ -205,7 +244,7 @@ def run_prompts(runner, drafter, prompts, tokenizer, use_template, args, samplin
         for turn in turns:
             history.append({"role": "user", "content": turn})
             ids = encode_turn(tokenizer, history, use_template)
-            if len(ids) + args.max_new_tokens + drafter.tree.size + 1 > runner.max_len:
+            if len(ids) + args.max_new_tokens + drafter.max_nodes + 1 > runner.max_len:
                 raise SpectrainError(f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {args.max_new_tokens} "
                                      f"exceed the verifier's context of {runner.max_len}")
             gen = generate(runner, drafter, ids, args.max_new_tokens, sampling, eos, generator)
@@ -293,6 +332,9 @@ def hf_generate_speed(model, tokenizer, prompts, use_template, args, n: int) -> 
 
 
 def evaluate(args) -> Path:
+    if args.method == "hybrid" and not 1 <= args.min_match <= MAX_NGRAM:
+        raise SpectrainError(f"--min_match must be between 1 and {MAX_NGRAM} (the longest n-gram looked up), "
+                             f"got {args.min_match}")
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, args.device)
@@ -316,8 +358,9 @@ def evaluate(args) -> Path:
                                                   bool(getattr(tokenizer, "chat_template", None)) and args.prompts != BUNDLED)
     if use_template and not getattr(tokenizer, "chat_template", None):
         raise SpectrainError("--chat_template on, but the verifier's tokenizer has no chat template")
-    heads = {"medusa": load_medusa, "eagle": load_eagle}.get(args.method, lambda *a: None)(
+    heads = {"medusa": load_medusa, "eagle": load_eagle, "hybrid": load_learned}.get(args.method, lambda *a: None)(
         args.drafter, verifier, args.verifier, args.allow_verifier_mismatch)
+    kind = learned_kind(args.method, heads)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     longest = max(len(encode_turn(tokenizer, [{"role": "user", "content": t}], use_template)) for p in prompts for t in p)
     turns = max(len(p) for p in prompts)
@@ -332,7 +375,7 @@ def evaluate(args) -> Path:
     per_prompt = {"ar": ar_records}
 
     calibration = None
-    if args.method == "medusa":
+    if kind == "medusa":
         probe = MedusaDrafter(heads, verifier.model.get_output_embeddings(), Tree.chain(heads.config.num_heads))
         seqs = [t["sequence"] for r in ar_records for t in r["turns"]]
         starts = [t["prompt_tokens"] for r in ar_records for t in r["turns"]]
@@ -340,7 +383,7 @@ def evaluate(args) -> Path:
     trees = make_trees(args, heads, calibration)
 
     probe_prompt = encode_turn(tokenizer, [{"role": "user", "content": prompts[0][0]}], use_template)
-    eagle3_layers = tuple(heads.config.aux_layer_ids) if args.method == "eagle" and heads.is_eagle3 else ()
+    eagle3_layers = tuple(heads.config.aux_layer_ids) if kind == "eagle" and heads.is_eagle3 else ()
     state = probe_state(runner, probe_prompt, sampling, eagle3_layers)
     t_decode = verify_cost(runner, Tree.chain(0), len(probe_prompt))
     costs = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
@@ -348,7 +391,8 @@ def evaluate(args) -> Path:
     for name, tree in trees.items():
         drafter = build_drafter(args, tree, verifier, heads, max_len, name)
         records = run_prompts(runner, drafter, prompts, tokenizer, use_template, args, sampling, eos)
-        summary = summarize(records, tree.max_depth)
+        # A hybrid's lookup branch reaches k deep whatever the learned tree's depth.
+        summary = summarize(records, max(tree.max_depth, args.k) if args.method == "hybrid" else tree.max_depth)
         shape = tree if drafter.max_nodes == tree.size else Tree.chain(drafter.max_nodes)  # same tokens to verify
         tv, td = verify_cost(runner, shape, len(probe_prompt)), draft_cost(drafter, state)
         summary.update(tree_size=drafter.max_nodes, tree_paths=[list(p) for p in tree.paths],
@@ -376,7 +420,7 @@ def evaluate(args) -> Path:
             if n not in t_verify:
                 t_verify[n] = verify_cost(runner, Tree.chain(n), len(probe_prompt))
                 t_draft[n] = draft_cost(build_drafter(args, Tree.chain(n), verifier, heads, max_len), state) \
-                    if args.method != "medusa" else t_draft.get(depth, 0.0)
+                    if kind != "medusa" else t_draft.get(depth, 0.0)
         planner = {"chains": plan(chain["alpha"], t_decode, t_verify, t_draft)}
         planner["best_chain"] = max(planner["chains"], key=lambda r: r["expected_speedup"], default=None)
         planner["measured_chain"] = {"n": args.k, "speedup": chain["speedup"]}

@@ -66,6 +66,7 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         raise SpectrainError("empty prompt")
     mask_rows = verify_mask_rows(tree)
     depth_positions = torch.cat([tree.depth.new_zeros(1), tree.depth])
+    static_tree, static_mask_rows, static_depth_positions = tree, mask_rows, depth_positions
     tokens = torch.zeros(verifier.max_len, dtype=torch.long, device=device)
     tokens[:len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
 
@@ -97,7 +98,9 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
             tree = proposal.tree.to(device)
             mask_rows = verify_mask_rows(tree)
             depth_positions = torch.cat([tree.depth.new_zeros(1), tree.depth])
-            n = tree.size
+        elif tree is not static_tree:  # back to the drafter's own tree after a round that brought its own
+            tree, mask_rows, depth_positions = static_tree, static_mask_rows, static_depth_positions
+        n = tree.size
         ids = torch.cat([state.tokens[state.length - 1:state.length], proposal.tokens])
         base = verifier.length
         hidden = verifier.forward(ids, positions=base + depth_positions, mask=verifier.tree_mask(mask_rows))

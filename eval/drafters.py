@@ -98,26 +98,118 @@ class MedusaDrafter(Drafter):
         return Proposal(tokens=top[self.tree.depth - 1, self.tree.rank])
 
 
+MAX_NGRAM = 3  # the longest suffix prompt lookup matches (vLLM's default prompt_lookup_max is 4; 3 measured here)
+
+
+def prompt_lookup(context: list[int], k: int, max_ngram: int) -> tuple[int, list[int]]:
+    """Prompt lookup over ``context`` (prompt and output so far): (n, the k tokens that followed the latest earlier
+    occurrence of the context's last n tokens), for the longest n <= ``max_ngram`` that occurs; a continuation
+    shorter than k repeats its last token. (0, []) when not even the last token occurred before."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                follow = context[start + n:start + n + k]
+                return n, follow + [follow[-1]] * (k - len(follow))
+    return 0, []
+
+
 class NgramDrafter(Drafter):
     """Prompt lookup (training-free): find the latest earlier occurrence of the context's last n-gram
     (n = max_ngram .. 1) and propose the tokens that followed it."""
 
     name = "ngram"
 
-    def __init__(self, k: int, max_ngram: int = 3):
+    def __init__(self, k: int, max_ngram: int = MAX_NGRAM):
         super().__init__(Tree.chain(k))
         self.k, self.max_ngram = k, max_ngram
 
     def propose(self, state: DraftState) -> Proposal:
-        ctx, k = state.history or state.tokens[:state.length].tolist(), self.k
-        for n in range(min(self.max_ngram, len(ctx) - 1), 0, -1):
-            suffix = ctx[-n:]
-            for start in range(len(ctx) - n - 1, -1, -1):
-                if ctx[start:start + n] == suffix:
-                    follow = ctx[start + n:start + n + k]
-                    follow = follow + [follow[-1]] * (k - len(follow))
-                    return Proposal(tokens=torch.tensor(follow, dtype=torch.long, device=state.tokens.device))
-        return Proposal(tokens=torch.full((k,), ctx[-1], dtype=torch.long, device=state.tokens.device))
+        ctx = state.history or state.tokens[:state.length].tolist()
+        _, follow = prompt_lookup(ctx, self.k, self.max_ngram)
+        return Proposal(tokens=torch.tensor(follow or [ctx[-1]] * self.k, dtype=torch.long, device=state.tokens.device))
+
+
+def merge_branch(tokens: list[int], tree: Tree, branch: list[int]) -> tuple[list[int], Tree]:
+    """Add the chain ``branch`` under the root of ``tree`` (one token per node, in ``tree.paths`` order): where a
+    node already drafts the branch's next token the branch follows it, elsewhere new nodes rank after their
+    siblings. Returns (tokens, tree) of the merged tree, in its path order."""
+    paths, toks = list(tree.paths), list(tokens)
+    children: dict[tuple, dict[int, tuple]] = {}
+    for path, token in zip(paths, toks):
+        children.setdefault(path[:-1], {}).setdefault(token, path)
+    node: tuple = ()
+    for token in branch:
+        kids = children.setdefault(node, {})
+        if token not in kids:
+            kids[token] = node + (1 + max((p[-1] for p in kids.values()), default=-1),)
+            paths.append(kids[token])
+            toks.append(token)
+        node = kids[token]
+    merged = Tree.from_paths(paths)
+    by_path = dict(zip(paths, toks))
+    return [by_path[p] for p in merged.paths], merged
+
+
+class HybridDrafter(Drafter):
+    """Prompt lookup and a learned drafter (Medusa or EAGLE) in one decoder.
+
+    * ``merge=False`` (a chain): each round drafts the lookup's continuation when the context's last
+      ``min_match`` or more tokens occurred earlier, and the learned drafter's chain otherwise;
+    * ``merge=True`` (a tree): each round drafts the learned drafter's tree with the lookup's continuation merged
+      in as one more branch (``max_nodes`` = the learned drafter's + ``k``).
+
+    Lossless like the others: the choice depends only on the context, and each round's candidates are verified
+    by the rule for their kind (deterministic lookup tokens and top-k nodes by the multi-candidate rule, sampled
+    chain drafts against their p). An EAGLE drafter reads the features of every committed position; those of
+    rounds drafted by lookup are kept and handed to its next round, so it never runs on lookup rounds.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, learned: Drafter, k: int, merge: bool, max_ngram: int = MAX_NGRAM, min_match: int = 2):
+        if min_match < 1 or max_ngram < min_match:
+            raise SpectrainError(f"hybrid drafting needs 1 <= min_match <= max_ngram, got {min_match}, {max_ngram}")
+        if not isinstance(learned, (MedusaDrafter, EagleChainDrafter)):
+            raise SpectrainError(f"hybrid drafting takes a Medusa or EAGLE drafter, not {learned.name}")
+        if not merge and learned.tree.size != k:
+            raise SpectrainError(f"a hybrid chain of {k} needs a learned chain of {k}, got {learned.tree.size} nodes")
+        super().__init__(learned.tree)
+        self.learned, self.k, self.merge, self.max_ngram, self.min_match = learned, k, merge, max_ngram, min_match
+        self.wants_features, self.capture_layers = learned.wants_features, learned.capture_layers
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.lookup_rounds = self.rounds = 0
+
+    @property
+    def max_nodes(self) -> int:
+        return self.learned.max_nodes + (self.k if self.merge else 0)
+
+    def start(self, state: DraftState, verifier: StaticCausalLM) -> None:
+        self.pending = []
+        self.learned.start(state, verifier)
+
+    def propose(self, state: DraftState) -> Proposal:
+        self.rounds += 1
+        if self.wants_features:  # cloned: the verifier's output buffers may be reused by the next forward
+            self.pending.append((state.new_features.clone(), state.new_tokens.clone()))
+        n, follow = prompt_lookup(state.history or state.tokens[:state.length].tolist(), self.k, self.max_ngram)
+        found = n >= self.min_match
+        if found and not self.merge:
+            self.lookup_rounds += 1
+            return Proposal(tokens=torch.tensor(follow, dtype=torch.long, device=state.tokens.device))
+        if self.wants_features:
+            state.new_features = torch.cat([f for f, _ in self.pending])
+            state.new_tokens = torch.cat([t for _, t in self.pending])
+            self.pending = []
+        proposal = self.learned.propose(state)
+        if not (found and self.merge):
+            return proposal
+        self.lookup_rounds += 1
+        tokens, tree = merge_branch(proposal.tokens.tolist(), proposal.tree or self.learned.tree, follow)
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long, device=state.tokens.device), tree=tree)
+
+    def advance(self, accepted: int, state: DraftState) -> None:
+        self.learned.advance(accepted, state)
 
 
 class ModelDrafter(Drafter):

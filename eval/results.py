@@ -42,7 +42,8 @@ from . import metrics
 from .accept import Sampling
 from .calibrate import medusa_diagnostics
 from .cli import encode_turn, load_drafter, run_prompts, summarize
-from .drafters import Drafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter
+from .drafters import (MAX_NGRAM, Drafter, EagleChainDrafter, EagleTreeDrafter, HybridDrafter, MedusaDrafter,
+                       NgramDrafter)
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree
 
@@ -62,10 +63,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spectrain-results", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--verifier", default="bundled:smollm2", help="hub id, local dir or bundled:<name>")
-    p.add_argument("--drafter", action="append", required=True, metavar="NAME=PATH",
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
                    help="a drafter to evaluate (repeatable): run dir or export; NAME labels its rows")
+    p.add_argument("--ngram", action="store_true",
+                   help="also measure prompt lookup (training-free; rows named 'ngram': the chain, no tree)")
+    p.add_argument("--hybrid", action="append", default=[], metavar="NAME",
+                   help="also measure prompt lookup + the --drafter NAME in one drafter (rows 'hybrid-NAME'; "
+                        "repeatable); its trees hold the lookup branch within the same --tree_nodes budget")
+    p.add_argument("--min_match", type=int, default=2,
+                   help="hybrid chain rounds draft by lookup when the context's last N+ tokens occurred earlier")
     p.add_argument("--sampled", action="append", default=[], metavar="NAME",
-                   help="also measure this drafter's chain at --sampled_temperature (repeatable)")
+                   help="also measure this row's chain at --sampled_temperature (repeatable; a --drafter name, "
+                        "'ngram' or 'hybrid-NAME')")
     p.add_argument("--mt_bench", default=str(SHARED / "prompts/mt_bench.jsonl"), help="MT-bench jsonl ('' skips)")
     p.add_argument("--alpaca", default=str(SHARED / "prompts/alpaca_80.jsonl"), help="Alpaca-80 jsonl ('' skips)")
     p.add_argument("--gsm8k", default=str(SHARED / "gsm8k_train.jsonl"), help="GSM8K jsonl ('' skips)")
@@ -189,6 +198,8 @@ def parse_drafters(specs: list[str]) -> dict[str, str]:
             raise SpectrainError(f"--drafter takes NAME=PATH, got {spec!r}")
         if "__" in name or "/" in name:
             raise SpectrainError(f"--drafter name {name!r} may not contain '__' or '/'")
+        if name == "ngram" or name.startswith("hybrid-"):
+            raise SpectrainError(f"--drafter name {name!r} is reserved for the --ngram / --hybrid rows")
         if name in drafters:
             raise SpectrainError(f"--drafter name {name!r} given twice")
         if not Path(path).exists():
@@ -209,7 +220,7 @@ def plan_rows(args, drafters: dict[str, str], sets: dict[str, list[dict]]) -> li
     if "mt_bench" in sets:
         for name in drafters:
             rows.append({"drafter": name, "set": "mt_bench", "setting": f"chain-{args.k}", "temperature": 0.0})
-            if args.tree_nodes:
+            if args.tree_nodes and name != "ngram":
                 rows.append({"drafter": name, "set": "mt_bench", "setting": f"tree-{args.tree_nodes}",
                              "temperature": 0.0})
             if name in args.sampled:
@@ -263,6 +274,25 @@ class Context:
 
 def build(ctx: Context, row: dict, path: str, reference: list[dict]) -> tuple[Drafter, dict]:
     """The row's drafter and what defines it (the tree, and for Medusa the rank accuracies it came from)."""
+    args = ctx.args
+    if row["drafter"] == "ngram":
+        return NgramDrafter(args.k), {"tree": "chain", "nodes": args.k}
+    if row["drafter"].startswith("hybrid-"):
+        reserve = args.k if row["setting"].startswith("tree") else 0  # the lookup branch's nodes
+        learned, definition = build_learned(ctx, {**row, "drafter": row["drafter"][len("hybrid-"):]}, path,
+                                            reference, args.tree_nodes - reserve)
+        merge = not row["setting"].startswith("chain")
+        definition = {**definition, "nodes": definition["nodes"] + reserve, "min_match": args.min_match,
+                      "depth": max(definition.get("depth", args.k), args.k),
+                      "tree": ("chain: prompt lookup when it matches, else " if not merge else
+                               "the learned tree + the lookup branch; learned: ") + definition["tree"]}
+        return HybridDrafter(learned, args.k, merge=merge, min_match=args.min_match), definition
+    return build_learned(ctx, row, path, reference, args.tree_nodes)
+
+
+def build_learned(ctx: Context, row: dict, path: str, reference: list[dict],
+                  tree_nodes: int) -> tuple[Drafter, dict]:
+    """A trained drafter's chain or tree of ``tree_nodes`` draft nodes."""
     args, heads = ctx.args, ctx.heads(row["drafter"], path)
     model = ctx.verifier.model
     medusa = isinstance(heads, MedusaHeads)
@@ -279,13 +309,13 @@ def build(ctx: Context, row: dict, path: str, reference: list[dict]) -> tuple[Dr
         seqs = [t["sequence"] for r in reference for t in r["turns"]]
         starts = [t["prompt_tokens"] for r in reference for t in r["turns"]]
         calibration = medusa_diagnostics(ctx.runner, probe, seqs, starts)
-        tree = build_tree(calibration["rank_accuracy"], args.tree_nodes)
+        tree = build_tree(calibration["rank_accuracy"], tree_nodes)
         return (MedusaDrafter(heads, model.get_output_embeddings(), tree),
                 {"tree": "static, from rank accuracies on the verifier's greedy outputs of this set",
                  "nodes": tree.size, "depth": tree.max_depth, "rank_accuracy": calibration["rank_accuracy"]})
-    dynamic = (args.tree_depth, args.tree_topk, args.tree_nodes)
+    dynamic = (args.tree_depth, args.tree_topk, tree_nodes)
     return (EagleTreeDrafter(heads, model, dynamic=dynamic),
-            {"tree": "EAGLE-2 dynamic", "nodes": args.tree_nodes, "depth": args.tree_depth, "topk": args.tree_topk})
+            {"tree": "EAGLE-2 dynamic", "nodes": tree_nodes, "depth": args.tree_depth, "topk": args.tree_topk})
 
 
 def per_category(records: list[dict], prompts: list[dict]) -> dict[str, float]:
@@ -300,11 +330,13 @@ def measure_row(ctx: Context, row: dict, path: str, reference: list[dict], promp
     drafter, definition = build(ctx, row, path, reference)
     t0 = time.time()
     records = ctx.run(drafter, row["set"], sampling)
-    summary = summarize(records, drafter.tree.max_depth if definition["tree"] == "chain" else definition["depth"])
+    summary = summarize(records, definition.get("depth", drafter.tree.max_depth))
     identical = None
     if sampling.greedy:
         identical = sum(a["tokens"] == b["tokens"] for ra, rb in zip(reference, records)
                         for a, b in zip(ra["turns"], rb["turns"]))
+    if isinstance(drafter, HybridDrafter):
+        definition["lookup_round_fraction"] = round(drafter.lookup_rounds / max(drafter.rounds, 1), 4)
     return {**row, **definition, "tau": summary["tau"], "alpha": summary["alpha"],
             "accept_histogram": summary["accept_histogram"], "verifier_forwards": summary["verifier_forwards"],
             "new_tokens": summary["new_tokens"], "tokens_per_second": summary["tokens_per_second"],
@@ -376,6 +408,21 @@ def results(args, log=print) -> Path:
     if args.sampled_temperature <= 0:
         raise SpectrainError(f"--sampled_temperature must be > 0, got {args.sampled_temperature}")
     drafters = parse_drafters(args.drafter)
+    learned = dict(drafters)
+    for name in args.hybrid:
+        if name not in learned:
+            raise SpectrainError(f"--hybrid {name}: no --drafter of that name")
+        drafters[f"hybrid-{name}"] = learned[name]
+    if args.ngram:
+        drafters["ngram"] = ""
+    if not drafters:
+        raise SpectrainError("nothing to measure: give --drafter NAME=PATH and/or --ngram")
+    if not 1 <= args.min_match <= MAX_NGRAM:
+        raise SpectrainError(f"--min_match must be between 1 and {MAX_NGRAM} (the longest n-gram looked up), "
+                             f"got {args.min_match}")
+    if args.hybrid and args.tree_nodes and args.tree_nodes <= args.k:
+        raise SpectrainError(f"--tree_nodes {args.tree_nodes} leaves no room beside the hybrid's lookup branch of "
+                             f"--k {args.k}")
     sets = {name: load_set(name, getattr(args, name), counts[name]) for name in PROMPT_SETS if getattr(args, name)}
     if not sets:
         raise SpectrainError("no prompt sets: give --mt_bench, --alpaca and/or --gsm8k")
@@ -383,7 +430,8 @@ def results(args, log=print) -> Path:
     out = Path(args.out)
     settings = settings_of(args, sets)
     rows_dir = open_out(out, settings, args.force)
-    prints = {name: fingerprint(path) for name, path in drafters.items()}
+    prints = {name: ("ngram-max3" if name == "ngram" else fingerprint(path) + (
+        f"-hybrid-m{args.min_match}" if name.startswith("hybrid-") else "")) for name, path in drafters.items()}
     ctx = Context(args, sets)
     t0 = time.time()
 
@@ -412,8 +460,9 @@ def results(args, log=print) -> Path:
         result = cached(path, prints[row["drafter"]])
         if result is None:
             result = measure_row(ctx, row, drafters[row["drafter"]], reference(row["set"])["records"], sets[row["set"]])
-            result.update(fingerprint=prints[row["drafter"]], drafter_path=str(Path(drafters[row["drafter"]]).resolve()),
-                          training=training_info(drafters[row["drafter"]]))
+            path_ = drafters[row["drafter"]]
+            result.update(fingerprint=prints[row["drafter"]], drafter_path=str(Path(path_).resolve()) if path_ else None,
+                          training=training_info(path_) if path_ else {"method": "prompt lookup (training-free)"})
             write_json(path, result)  # atomic: a kill leaves the row whole or absent
             log(f"results: row {i}/{len(rows)} {row['key']}: tau {result['tau']:.3f} ({result['seconds']} s)")
         done.append(result)

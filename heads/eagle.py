@@ -477,6 +477,50 @@ class EagleDrafter(nn.Module):
         rows = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
         self.lm_head.weight.copy_(verifier_lm_head.weight[rows.to(verifier_lm_head.weight.device)])
 
+    @torch.no_grad()
+    def warm_start(self, verifier_model, layer: str = "random", norm: str = "default") -> None:
+        """Start from the verifier instead of a random init (no reference trainer does; measured in the docs).
+
+        ``layer``: ``random`` (the default init), ``verifier`` (the decoder layer starts as the verifier's last
+        decoder layer; eagle3's q/k/v copy it on their fused-hidden half and keep a random embedding half, and
+        ``hidden_norm`` takes the verifier layer's input norm) or ``identity`` (``o_proj`` and ``down_proj`` zero:
+        the layer starts as the identity on its residual stream). ``norm``: ``verifier`` starts eagle3's final
+        norm from the verifier's final norm.
+        """
+        if layer not in ("random", "verifier", "identity") or norm not in ("default", "verifier"):
+            raise SpectrainError(f"warm start: layer must be random, verifier or identity and norm default or "
+                                 f"verifier, got {layer!r}, {norm!r}")
+        body = getattr(verifier_model, "model", None)
+        if layer == "identity":
+            self.layer.self_attn.o_proj.weight.zero_()
+            self.layer.mlp.down_proj.weight.zero_()
+        elif layer == "verifier":
+            source = getattr(body, "layers", [None])[-1]
+            names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                     "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm", "input_layernorm")
+            params = dict(source.named_parameters()) if source is not None else {}
+            missing = [n for n in names if f"{n}.weight" not in params]
+            if missing:
+                raise SpectrainError(f"warm start from the verifier's last layer: it has no {missing} (a Llama-style "
+                                     "decoder layer is needed)")
+            h = self.config.hidden_size
+            for name in names[:-1]:
+                ours, theirs = self.layer.get_parameter(f"{name}.weight"), params[f"{name}.weight"]
+                if name in names[:3] and self.layer.fused_input:
+                    ours = ours[:, h:]  # the fused-hidden half; the embedding half keeps its random init
+                if ours.shape != theirs.shape:
+                    raise SpectrainError(f"warm start: the verifier's {name} is {tuple(theirs.shape)}, the drafter's "
+                                         f"{tuple(ours.shape)}")
+                ours.copy_(theirs.to(ours.dtype))
+            if self.layer.fused_input:
+                self.layer.hidden_norm.weight.copy_(params["input_layernorm.weight"].to(torch.float32))
+        if norm == "verifier":
+            self._require_eagle3("a final norm from the verifier")
+            final = getattr(body, "norm", None)
+            if final is None or getattr(final, "weight", None) is None:
+                raise SpectrainError("warm start: the verifier has no final norm at model.norm")
+            self.norm.weight.copy_(final.weight.to(self.norm.weight.dtype))
+
     # -- forward --------------------------------------------------------------------------------------------
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """eagle3: (B, T, len(aux_layer_ids) * h) concatenated verifier states -> (B, T, h)."""

@@ -168,6 +168,12 @@ def test_chat_data_skips_rows_without_assistant(verifier_factory, tmp_path):
     data = write(tmp_path / "chat.jsonl", "\n".join(json.dumps(r) for r in rows))
     path = train(module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
                  args=small_args(verifier_factory("llama", True), data, tmp_path / "run", "--trainer.max_steps", "2",
-                                 "--trainer.val_check_interval", "1"))
+                                 "--trainer.val_check_interval", "1", "--model.measure_prompts", "2",
+                                 "--model.measure_new_tokens", "8"))
     summary = json.loads(path.read_text())
     assert summary["data_format"] == "chat" and summary["skipped_rows"] == 3
+    # Measured tau at every validation: the learning curve in the summary, against tokens trained.
+    curve = summary["curve"]
+    assert [c["step"] for c in curve] == [1, 2] and curve[0]["trained_tokens"] < curve[1]["trained_tokens"]
+    assert all(1.0 <= c["tau_measured"] <= 5.0 and "tau_pred" in c for c in curve)
+    assert summary["tau_measured"] == curve[-1]["tau_measured"]

@@ -100,3 +100,60 @@ def test_original_responses_are_the_raw_twin(tmp_path, setup):
     assert sorted(rows) == list(range(9))
     for i in range(1, 9):
         assert [t["value"] for t in rows[i]["conversations"]] == [f"tell me of the king {i}", "an old answer we replace"]
+
+
+def test_loop_filter_and_distinct4():
+    from spectrain.data.distill import distinct_n, looping
+
+    assert looping([7, 8, 9] + [1, 2, 3, 4, 5, 6, 7, 8] * 4)  # a period of 8 repeated 4 times at the end
+    assert looping([5] * 30)
+    assert not looping([5] * 10)  # too short a run to call a loop
+    assert not looping(list(range(100)))
+    assert not looping([1, 2, 3, 4] * 3 + list(range(10, 60)))  # repeats early, then moves on
+    assert distinct_n([[1, 2, 3, 4, 5]]) == 1.0 and distinct_n([[1, 1, 1, 1, 1, 1]]) == pytest.approx(1 / 3)
+
+
+def test_looping_replies_end_their_conversation_and_are_counted(tmp_path, setup, monkeypatch):
+    """A reply caught by the loop filter is not kept, nor is its user turn; later turns are not asked."""
+    verifier, records = setup
+    real = distill_mod.answer_batch
+    loop = " ".join(["la la la la"] * 40)
+
+    def looping_first(model, tokenizer, histories, *args):
+        replies = real(model, tokenizer, histories, *args)
+        return [loop if "king 3" in h[-1]["content"] else r for h, r in zip(histories, replies)]
+
+    monkeypatch.setattr(distill_mod, "answer_batch", looping_first)
+    out = tmp_path / "d.jsonl"
+    counts = distill(verifier, records, out, SETTINGS, batch_size=4, log=lambda *_: None)
+    rows = {r["id"]: r for r in rows_of(out)}
+    assert counts["loops_dropped"] == 1 and rows[3]["stopped_by_loop"] and rows[3]["conversations"] == []
+    assert len(rows[4]["conversations"]) == 4 and "stopped_by_loop" not in rows[4]
+    stats = distill_mod.mix([str(out)], verifier.tokenizer)[0]
+    assert stats["conversations"] == 9 and stats["replies"] == 18 and stats["stopped_by_loop"] == 1
+    assert 0 < stats["distinct4"] <= 1
+
+
+def test_max_prompt_tokens_skips_long_prompts_and_later_turns(tmp_path, setup):
+    verifier, records = setup
+    tok = verifier.tokenizer
+    records = [{"messages": [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "x"}]}] + records
+    short = distill_mod.prompt_length(tok, [{"role": "user", "content": "tell me of the king 1"}])
+    out = tmp_path / "d.jsonl"
+    counts = distill(verifier, records, out, {**SETTINGS, "max_prompt_tokens": short + 2}, batch_size=4,
+                     log=lambda *_: None)
+    rows = {r["id"]: r for r in rows_of(out)}
+    assert counts["prompt_too_long"] == 1 and rows[0]["conversations"] == []
+    assert [t["from"] for t in rows[1]["conversations"]] == ["human", "gpt"]  # the second turn would not fit
+
+
+def test_report_command(tmp_path, setup, verifier_factory, capsys):
+    verifier, records = setup
+    out = tmp_path / "d.jsonl"
+    distill(verifier, records, out, SETTINGS, batch_size=4, log=lambda *_: None)
+    path = distill_mod.run(distill_mod.parse_args(["--report", str(out), str(out), "--verifier",
+                                                   str(verifier_factory("llama", False)), "--out",
+                                                   str(tmp_path / "mix.json")]))
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(path)
+    stats = json.loads(path.read_text())["mix"]
+    assert [s["data"] for s in stats][-1] == "all" and stats[-1]["replies"] == 2 * stats[0]["replies"]

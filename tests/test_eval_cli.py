@@ -67,6 +67,26 @@ def test_sampled_eval_runs(setup):
     assert results["chain-3"]["tau"] >= 1.0
 
 
+def test_hybrid_method(setup, tmp_path):
+    """--method hybrid takes either kind of drafter: Medusa (chain + a static tree with the lookup branch) and
+    EAGLE (chain + a dynamic tree whose budget keeps room for the branch); lossless at T = 0."""
+    from spectrain.heads.eagle import EagleDrafter
+
+    root, verifier_dir, _ = setup
+    medusa = json.loads(evaluate(args_for(setup, "--method", "hybrid", "--tree", "auto:6", "--hf_generate", "0")
+                                  ).read_text())["results"]
+    assert medusa["chain-3"]["identical_to_ar"] and medusa["tree-6"]["identical_to_ar"]
+    assert medusa["tree-6"]["tree_size"] == 6 + 3  # the static tree plus the lookup branch
+    EagleDrafter.for_verifier(load_verifier(str(verifier_dir)).model, "eagle3", draft_vocab_size=100,
+                              verifier_name=str(verifier_dir)).save_pretrained(tmp_path / "e3")
+    eagle = json.loads(evaluate(args_for(setup, "--method", "hybrid", "--drafter", str(tmp_path / "e3"),
+                                         "--dynamic_tree", "3,2,8", "--hf_generate", "0")).read_text())["results"]
+    assert eagle["chain-3"]["identical_to_ar"] and eagle["dynamic-3x2-8"]["identical_to_ar"]
+    assert eagle["dynamic-3x2-8"]["tree_size"] == 8
+    with pytest.raises(SpectrainError, match="needs --drafter"):
+        evaluate(args_for(setup, "--method", "hybrid", "--drafter", ""))
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--prompts", "/nonexistent/prompts.jsonl"], "prompts file not found"),
     (["--tree", "[[0, 1]]"], "missing"),

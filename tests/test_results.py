@@ -158,3 +158,28 @@ def test_a_run_over_fewer_sets_shares_rows(setup, tmp_path, monkeypatch):
     (tmp_path / "mt2.jsonl").write_text((root / "mt.jsonl").read_text().replace("king", "queen"))
     with pytest.raises(SpectrainError, match="mt_bench prompts"):  # other MT-bench prompts: refused
         results(parse_args(argv(setup, out, "--mt_bench", str(tmp_path / "mt2.jsonl"))), log=lambda *_: None)
+
+
+def test_prompt_lookup_and_hybrid_rows(setup, tmp_path):
+    """Rows named 'ngram' (chain only) and 'hybrid-NAME' (chain, tree within the same node budget, sampled),
+    all lossless at T = 0; a drafter may not take a reserved name."""
+    out = tmp_path / "hyb"
+    args = argv(setup, out, "--alpaca", "", "--gsm8k", "", "--ngram", "--hybrid", "medusa", "--hybrid", "eagle1",
+                "--sampled", "hybrid-eagle1", "--sampled", "ngram", "--min_match", "1")
+    summary = json.loads(results(parse_args(args), log=lambda *_: None).read_text())
+    rows = {(r["drafter"], r["setting"], r["temperature"]): r for r in summary["rows"]}
+    assert ("ngram", "chain-3", 0.0) in rows and ("ngram", "chain-3", 1.0) in rows
+    assert not any(d == "ngram" and s.startswith("tree") for d, s, _ in rows)
+    for name in ("hybrid-medusa", "hybrid-eagle1"):
+        assert rows[(name, "tree-6", 0.0)]["nodes"] == 6 and "lookup branch" in rows[(name, "tree-6", 0.0)]["tree"]
+        assert 0.0 < rows[(name, "chain-3", 0.0)]["lookup_round_fraction"] < 1.0  # both kinds of round ran
+    assert ("hybrid-eagle1", "chain-3", 1.0) in rows
+    for r in summary["rows"]:
+        if r["temperature"] == 0:
+            assert r["identical_to_greedy"] == r["prompts"], r["key"]
+    assert rows[("ngram", "chain-3", 0.0)]["training"]["method"].startswith("prompt lookup")
+    root = setup[0]
+    with pytest.raises(SpectrainError, match="reserved"):
+        results(parse_args(argv(setup, tmp_path / "bad", "--drafter", f"ngram={root / 'medusa'}")), log=lambda *_: None)
+    with pytest.raises(SpectrainError, match="no --drafter of that name"):
+        results(parse_args(argv(setup, tmp_path / "bad", "--hybrid", "nobody")), log=lambda *_: None)

@@ -72,6 +72,11 @@ class DrafterModule(L.LightningModule):
             training data only (the verifier's own rows; exports keep the full vocabulary). Hard targets outside
             it are dropped from the loss (counted: ``train/dropped_frac``); soft targets are the verifier's
             distribution renormalised over it. null: the whole vocabulary.
+        measure_prompts: at every validation, also decode this many fixed prompts (the first validation rows cut
+            before their first target token) with our lossless speculative loop — a chain of ``measure_k`` drafts,
+            T = 0, ``measure_new_tokens`` tokens each — and log the measured tau (``val/tau_measured``) beside the
+            predicted one. 0: off.
+        measure_k, measure_new_tokens: see ``measure_prompts``.
         init_from: start from a trained drafter instead of a fresh one: a spectrain run directory or an
             export in any ``spectrain-export`` format (vLLM, SGLang, TensorRT-LLM, speculators); its shape
             must match this run's (heads, layers, draft vocabulary), and an EAGLE-3 keeps its d2t/t2d.
@@ -91,6 +96,9 @@ class DrafterModule(L.LightningModule):
         loss_recompute: Literal["auto", "always", "never"] = "auto",
         loss_memory_budget_gb: Optional[float] = None,
         train_vocab_size: Optional[int] = None,
+        measure_prompts: int = 0,
+        measure_k: int = 5,
+        measure_new_tokens: int = 64,
         init_from: Optional[str] = None,
     ):
         super().__init__()
@@ -108,6 +116,12 @@ class DrafterModule(L.LightningModule):
         if train_vocab_size is not None and train_vocab_size < 1:
             raise SpectrainError(f"model.train_vocab_size must be >= 1 (or null for the whole vocabulary), "
                                  f"got {train_vocab_size}")
+        if measure_prompts < 0 or measure_k < 1 or measure_new_tokens < 1:
+            raise SpectrainError(f"model.measure_prompts must be >= 0 and measure_k / measure_new_tokens >= 1, got "
+                                 f"{measure_prompts}, {measure_k}, {measure_new_tokens}")
+        self.measure_prompts, self.measure_k, self.measure_new_tokens = measure_prompts, measure_k, measure_new_tokens
+        self._measure_ids: list[list[int]] = []
+        self.curve: list[dict] = []  # one entry per validation: the learning curve in the run's summary
         self.loss_chunk_size, self.loss_recompute = loss_chunk_size, loss_recompute
         self.loss_memory_budget_gb = loss_memory_budget_gb
         self._loss_budget: Optional[int] = None
@@ -331,6 +345,10 @@ class DrafterModule(L.LightningModule):
         self._store_layers = tuple(meta["layer_ids"])
 
     def on_fit_start(self) -> None:
+        if self.measure_prompts:  # fail now, not at the first validation, if our decoder cannot run this verifier
+            from spectrain.eval.static_model import StaticCausalLM
+
+            StaticCausalLM(self.verifier, max_len=8, device=self.verifier_lm_head.weight.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # else every step re-faults its vocabulary-sized buffers (host_memory.py)
         dtype = resolve_dtype(self.verifier_dtype, self.device)
@@ -353,6 +371,8 @@ class DrafterModule(L.LightningModule):
         self._val_sums = {}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
+        if len(self._measure_ids) < self.measure_prompts:
+            self._collect_prompts(batch)
         for key, value in self.validation_counts(batch, self.features(batch)).items():
             value = value.detach().double()
             self._val_sums[key] = self._val_sums[key] + value if key in self._val_sums else value
@@ -362,8 +382,53 @@ class DrafterModule(L.LightningModule):
         if not sums:
             return
         metrics = self.val_metrics(sums)
+        if self._measure_ids:
+            metrics.update(self.measured_tau())
         self.last_val_metrics = metrics
+        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:  # the learning curve (the final
+            # validate() scores the best checkpoint; sanity checks see a few batches only)
+            self.curve.append({"step": self.global_step, "trained_tokens": self.trained_tokens, **metrics})
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=False)
+
+    # -- measured tau: the real speculative loop on a few fixed prompts ------------------------------------------
+    def _collect_prompts(self, batch: dict) -> None:
+        """Keep the first validation rows' prompts: the tokens before their first target (the same rows at every
+        validation, since validation batches come in a fixed order)."""
+        target = (batch["loss_mask"] * batch["attention_mask"]).bool()
+        for ids, row, valid in zip(batch["input_ids"], target, batch["attention_mask"].bool()):
+            ids = ids[valid]
+            first = int(row[valid].int().argmax()) if bool(row.any()) else 0
+            if first < 2:  # text data (every token a target): the row's first half, at most 64 tokens, as prompt
+                first = min(64, ids.shape[0] // 2)
+            if first >= 2 and len(self._measure_ids) < self.measure_prompts:
+                self._measure_ids.append(ids[:first].tolist())
+
+    def eval_drafter(self, drafter: torch.nn.Module, k: int):
+        """The evaluator's chain drafter over ``drafter`` (a copy in the verifier's dtype)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def measured_tau(self) -> dict[str, float]:
+        """tau (tokens per verifier forward, bonus included, pooled) and alpha_1 of the lossless loop, T = 0."""
+        import copy
+
+        from spectrain.eval.decode import generate
+        from spectrain.eval.static_model import StaticCausalLM
+
+        param = self.verifier_lm_head.weight
+        drafter = copy.deepcopy(self.drafter).to(param.device, param.dtype).eval()
+        chain = self.eval_drafter(drafter, self.measure_k)
+        longest = max(len(p) for p in self._measure_ids)
+        runner = StaticCausalLM(self.verifier, max_len=longest + self.measure_new_tokens + self.measure_k + 2,
+                                device=param.device)
+        emitted = rounds = first = 0
+        generator = torch.Generator(device=param.device).manual_seed(0)  # the training RNG streams stay untouched
+        for prompt in self._measure_ids:
+            out = generate(runner, chain, prompt, self.measure_new_tokens, generator=generator)
+            emitted += sum(out.emitted_per_round)
+            rounds += len(out.accept_lengths)
+            first += sum(a >= 1 for a in out.accept_lengths)
+        return {"tau_measured": emitted / max(rounds, 1), "alpha1_measured": first / max(rounds, 1)}
 
     # -- optimizer ------------------------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -398,7 +463,7 @@ class DrafterModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(VERIFIER_PREFIX)}
         checkpoint["spectrain"] = {"verifier": self.verifier_name, "method": self.method_name,
-                                   "trained_tokens": self.trained_tokens}
+                                   "trained_tokens": self.trained_tokens, "curve": self.curve}
         # The RNG streams the loss draws from (EAGLE-1's feature noise), so a resumed run draws the same numbers.
         checkpoint["rng"] = {"torch": torch.get_rng_state(),
                              **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})}
@@ -411,6 +476,7 @@ class DrafterModule(L.LightningModule):
         if missing:
             raise SpectrainError(f"checkpoint lacks drafter weights {missing[:4]}: it is not a {self.method_name} checkpoint")
         self.trained_tokens = int(saved.get("trained_tokens", 0))
+        self.curve = list(saved.get("curve", []))
         rng = checkpoint.get("rng") or {}
         if "torch" in rng:
             torch.set_rng_state(rng["torch"])

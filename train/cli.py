@@ -179,6 +179,10 @@ def train(model_class: type[DrafterModule], default_config: str, args=None) -> P
 
 
 RESUME_MAY_CHANGE = ("force", "checkpoint_every", "logger", "wandb_project")
+# Model keys that only choose what is measured, not what is trained: a resumed run may change them.
+MEASURE_KEYS = ("measure_prompts", "measure_k", "measure_new_tokens")
+# Model keys added after runs were saved, with the value that reproduces a config without them.
+ADDED_MODEL_KEYS = {"layer_init": "random", "norm_init": "default", "drop_outside_vocab": False}
 
 
 def _comparable(config_text: str, unresolved_precision: bool = False) -> str:
@@ -192,6 +196,14 @@ def _comparable(config_text: str, unresolved_precision: bool = False) -> str:
     config = yaml.safe_load(config_text) or {}
     for key in RESUME_MAY_CHANGE:
         config.pop(key, None)
+    model = config.get("model") or {}
+    for key in MEASURE_KEYS:
+        model.pop(key, None)
+    if model.get("variant") == "eagle1":
+        model.pop("drop_outside_vocab", None)  # an EAGLE-3 option: EAGLE-1 ignores it
+    for key, old in ADDED_MODEL_KEYS.items():
+        if model.get(key, old) == old:
+            model.pop(key, None)
     if unresolved_precision:
         (config.get("trainer") or {}).pop("precision", None)
         (config.get("model") or {}).pop("verifier_dtype", None)
@@ -281,6 +293,8 @@ def build_summary(cli: SpectrainCLI, best: str, fit_seconds: float, wall_seconds
         "best_checkpoint": best or None,
         "drafter_dir": str(cli.run_dir.resolve()),
         "tau_pred": metrics.get("tau_pred"),
+        "tau_measured": metrics.get("tau_measured"),
+        "curve": model.curve,
         "per_position": {"columns": headers, "rows": rows},
         "val_metrics": metrics,
     }
@@ -293,6 +307,8 @@ def summary_tables(summary: dict) -> list[str]:
     tau = summary["tau_pred"]
     facts = format_table(["", "value"], [
         ["predicted tau (joint chain)", "n/a" if tau is None else f"{tau:.3f}"],
+        *([["measured tau (lossless loop, chain, T=0)", f"{summary['tau_measured']:.3f}"]]
+          if summary.get("tau_measured") is not None else []),
         *([["target", summary["target"]]] if summary["target"] else []), ["steps", summary["steps"]],
         ["train tokens/s", summary["train_tokens_per_second"]], ["wall seconds", summary["wall_seconds"]],
     ])

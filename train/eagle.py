@@ -35,6 +35,13 @@ class EagleModule(DrafterModule):
         feature_loss_weight, ce_loss_weight: eagle1 loss weights.
         step_decay: eagle3 weight of step i is step_decay^i.
         val_steps: draft steps unrolled in validation (per-step top-1 and predicted tau).
+        drop_outside_vocab: eagle3: positions whose verifier argmax lies outside the draft vocabulary leave the
+            loss (as the EAGLE-3 and SpecForge trainers do: the drafter can never propose that token, so the
+            position only pulls it toward a distribution renormalised without it). Counted:
+            ``train/outside_vocab_frac``.
+        layer_init: ``random``, ``verifier`` (the decoder layer starts as the verifier's last layer) or
+            ``identity`` (zero ``o_proj`` / ``down_proj``); see :meth:`EagleDrafter.warm_start`.
+        norm_init: eagle3: ``verifier`` starts the final norm from the verifier's final norm.
         **kwargs: see :class:`DrafterModule` (verifier, optimizer, chunking).
     """
 
@@ -49,6 +56,9 @@ class EagleModule(DrafterModule):
         ce_loss_weight: float = 0.1,
         step_decay: float = 0.8,
         val_steps: int = 4,
+        drop_outside_vocab: bool = True,
+        layer_init: Literal["random", "verifier", "identity"] = "random",
+        norm_init: Literal["default", "verifier"] = "default",
         **kwargs,
     ):
         if variant not in ("eagle1", "eagle3"):
@@ -59,14 +69,23 @@ class EagleModule(DrafterModule):
         self.draft_vocab_size, self.aux_layer_ids = draft_vocab_size, aux_layer_ids
         self.ttt_steps, self.feature_noise, self.step_decay, self.val_steps = ttt_steps, feature_noise, step_decay, val_steps
         self.feature_loss_weight, self.ce_loss_weight = feature_loss_weight, ce_loss_weight
+        self.drop_outside_vocab = drop_outside_vocab and variant == "eagle3"
+        if norm_init == "verifier" and variant != "eagle3":
+            raise SpectrainError("model.norm_init verifier is for eagle3 (eagle1 has no final norm of its own)")
+        self.layer_init, self.norm_init = layer_init, norm_init
         if variant == "eagle3" and kwargs.get("train_vocab_size") is not None:
             raise SpectrainError("eagle3 trains over its own draft vocabulary: set model.draft_vocab_size, not "
                                  "model.train_vocab_size")
         super().__init__(**kwargs)
 
     def build_drafter(self) -> EagleDrafter:
-        return EagleDrafter.for_verifier(self.verifier, self.variant, self.draft_vocab_size, self.aux_layer_ids,
-                                         verifier_name=self.verifier_name)
+        drafter = EagleDrafter.for_verifier(self.verifier, self.variant, self.draft_vocab_size, self.aux_layer_ids,
+                                            verifier_name=self.verifier_name)
+        drafter.warm_start(self.verifier, self.layer_init, self.norm_init)
+        return drafter
+
+    def needs_greedy(self, training: bool) -> bool:
+        return not training or self.drop_outside_vocab
 
     def feature_layer_ids(self) -> tuple[int, ...]:
         return tuple(self.drafter.config.aux_layer_ids or ()) if self.variant == "eagle3" else ()
@@ -123,14 +142,22 @@ class EagleModule(DrafterModule):
             loss = self.feature_loss_weight * feature_loss + self.ce_loss_weight * ce
             return loss, {"feature_loss": feature_loss.detach(), "ce": ce.detach()}
         outs = self.drafter.ttt_hidden(ids, feats, self.embed, steps=self.ttt_steps)
+        parts: dict[str, torch.Tensor] = {}
         d2t = self.drafter.d2t  # the draft rows change only when set_vocab_map() writes d2t
         version = ("d2t", d2t.data_ptr(), d2t._version)
         draft_rows = self.draft_rows()
         to_draft = (self.drafter.target_to_draft(torch.arange(self.drafter.config.vocab_size, device=ids.device),
                                                  ignore_index=-1) if "topk_ids" in features else None)
-        steps = [(i, target_mask[:, 2 + i:].reshape(-1).nonzero().squeeze(1)) for i in range(len(outs)) if T - 2 - i > 0]
+        if self.drop_outside_vocab:  # the verifier's argmax at t+1+i must be a draft token for step i's row t
+            inside = self.drafter.t2d[features["greedy"]]
+            kept = [target_mask[:, 2 + i:] & inside[:, 1 + i:T - 1] for i in range(len(outs)) if T - 2 - i > 0]
+            total_rows = sum((target_mask[:, 2 + i:].sum() for i in range(len(kept))), target_mask.new_zeros(()))
+            parts["outside_vocab_frac"] = 1.0 - sum((k.sum() for k in kept), total_rows.new_zeros(())) / total_rows.clamp_min(1)
+        else:
+            kept = [target_mask[:, 2 + i:] for i in range(len(outs)) if T - 2 - i > 0]
+        steps = [(i, mask.reshape(-1).nonzero().squeeze(1)) for i, mask in enumerate(kept)]
         recompute = self.recompute_loss(sum(r.numel() for _, r in steps), self.drafter.config.draft_vocab_size)
-        total, parts = hidden.new_zeros((), dtype=torch.float32), {}
+        total = hidden.new_zeros((), dtype=torch.float32)
         for i, rows in steps:  # step i at t predicts q_{t+1+i}, i.e. token t+2+i
             n = T - 2 - i
             states = self.drafter.norm(outs[i][:, :n]).reshape(-1, outs[i].shape[-1])[rows]
@@ -165,6 +192,11 @@ class EagleModule(DrafterModule):
             hits.append(hit)
             masks.append(mask)
         return {**counts, **self.chain_counts(hits, masks)}
+
+    def eval_drafter(self, drafter: EagleDrafter, k: int):
+        from spectrain.eval.drafters import EagleChainDrafter
+
+        return EagleChainDrafter(drafter, self.verifier, k)
 
     def _top1(self, out: torch.Tensor) -> torch.Tensor:
         """(B, n, h) drafter outputs -> (B, n) verifier-vocabulary token ids of the drafter's argmax."""

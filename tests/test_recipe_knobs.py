@@ -1,0 +1,111 @@
+"""Recipe knobs measured in the docs: EAGLE-3's loss without out-of-vocabulary positions, warm starts from the
+verifier, and measured tau (the lossless loop) at validation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from spectrain.eval.decode import generate
+from spectrain.eval.drafters import EagleChainDrafter, MedusaDrafter
+from spectrain.eval.static_model import StaticCausalLM
+from spectrain.eval.tree import Tree
+from spectrain.heads.eagle import EagleDrafter
+from spectrain.heads.errors import SpectrainError
+from spectrain.train.eagle import EagleModule
+from spectrain.train.medusa import MedusaModule
+from tests.conftest import make_verifier
+
+
+def _rows(n=8, vocab=300, length=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": (torch.rand(length, generator=g) ** 3 * vocab).long().tolist(), "loss_mask": [1] * length}
+            for _ in range(n)]
+
+
+def _batch(ids, prompt=0):
+    mask = torch.ones_like(ids)
+    mask[:, :prompt] = 0
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+
+
+def test_eagle3_drops_positions_whose_verifier_argmax_is_outside_the_draft_vocabulary(verifier_factory):
+    torch.manual_seed(0)
+    kwargs = dict(variant="eagle3", verifier=str(verifier_factory("llama", False)), verifier_dtype="float32",
+                  draft_vocab_size=40, ttt_steps=2)
+    drop, keep = EagleModule(**kwargs), EagleModule(**kwargs, drop_outside_vocab=False)
+    keep.drafter.load_state_dict(drop.drafter.state_dict())
+    for m in (drop, keep):
+        m.set_vocab_from(_rows())
+    assert drop.needs_greedy(training=True) and not keep.needs_greedy(training=True)
+    ids = torch.tensor([r["input_ids"] for r in _rows(2, seed=5)])
+    features = drop.features(_batch(ids))
+    inside = drop.drafter.t2d[features["greedy"]]
+    loss_drop, parts = drop.drafter_loss(_batch(ids), features)
+    loss_keep, _ = keep.drafter_loss(_batch(ids), features)
+    T = ids.shape[1]
+    outside = sum(int((~inside[:, 1 + i:T - 1]).sum()) for i in range(2))
+    assert 0 < float(parts["outside_vocab_frac"]) == pytest.approx(outside / (2 * (T - 2) + 2 * (T - 3)))
+    assert not torch.allclose(loss_drop, loss_keep)
+    # With every argmax inside the draft vocabulary nothing is dropped: the same loss.
+    full = features["greedy"].clamp_max(0) + drop.draft_rows()[0]
+    same_drop, _ = drop.drafter_loss(_batch(ids), {**features, "greedy": full})
+    torch.testing.assert_close(same_drop, loss_keep)
+
+
+def test_warm_starts_from_the_verifier():
+    verifier = make_verifier("llama", False, 300)
+    last = verifier.model.layers[-1]
+    torch.manual_seed(0)
+    one = EagleDrafter.for_verifier(verifier, "eagle1")
+    one.warm_start(verifier, "verifier")
+    assert torch.equal(one.layer.self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    assert torch.equal(one.layer.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    three = EagleDrafter.for_verifier(verifier, "eagle3", draft_vocab_size=50)
+    random_half = three.layer.self_attn.k_proj.weight[:, :32].clone()
+    three.warm_start(verifier, "verifier", norm="verifier")
+    h = verifier.config.hidden_size
+    assert torch.equal(three.layer.self_attn.k_proj.weight[:, h:], last.self_attn.k_proj.weight)
+    assert torch.equal(three.layer.self_attn.k_proj.weight[:, :h], random_half)  # the embedding half is untouched
+    assert torch.equal(three.layer.hidden_norm.weight, last.input_layernorm.weight)
+    assert torch.equal(three.norm.weight, verifier.model.norm.weight)
+    # Identity start: the decoder layer passes its residual stream through unchanged.
+    ident = EagleDrafter.for_verifier(verifier, "eagle1")
+    ident.warm_start(verifier, "identity")
+    x = torch.randn(1, 5, h)
+    from spectrain.heads.eagle import causal_mask, rotary_cos_sin
+
+    cos, sin = rotary_cos_sin(torch.arange(5)[None], ident.config.head_dim, ident.config.rope_theta)
+    out, _, _ = ident.layer(x, cos, sin, causal_mask(5, 5)[None, None])
+    torch.testing.assert_close(out, x)
+    with pytest.raises(SpectrainError, match="eagle3"):
+        ident.warm_start(verifier, "random", norm="verifier")
+    with pytest.raises(SpectrainError, match="layer must be"):
+        ident.warm_start(verifier, "copy")
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle3", "medusa"])
+def test_measured_tau_is_the_evaluators_tau_on_the_validation_prompts(verifier_factory, method):
+    torch.manual_seed(0)
+    path = str(verifier_factory("llama", False))
+    m = (MedusaModule(verifier=path, num_heads=3, verifier_dtype="float32", measure_prompts=2, measure_k=3,
+                      measure_new_tokens=12) if method == "medusa"
+         else EagleModule(variant=method, verifier=path, verifier_dtype="float32",
+                          draft_vocab_size=60 if method == "eagle3" else None, measure_prompts=2, measure_k=3, measure_new_tokens=12))
+    ids = torch.tensor([r["input_ids"] for r in _rows(3, vocab=200, seed=2)])
+    m._collect_prompts(_batch(ids, prompt=6))
+    assert m._measure_ids == [row[:6] for row in ids[:2].tolist()]  # the first rows, cut before their targets
+    rng = torch.get_rng_state()
+    got = m.measured_tau()
+    assert torch.equal(torch.get_rng_state(), rng)  # the training RNG streams are untouched
+    # The same numbers straight from the evaluator.
+    drafter = copy.deepcopy(m.drafter).eval()
+    chain = (MedusaDrafter(drafter, m.verifier_lm_head, Tree.chain(3)) if method == "medusa"
+             else EagleChainDrafter(drafter, m.verifier, 3))
+    runner = StaticCausalLM(m.verifier, max_len=40)
+    outs = [generate(runner, chain, p, 12) for p in m._measure_ids]
+    rounds = sum(len(o.accept_lengths) for o in outs)
+    assert got["tau_measured"] == pytest.approx(sum(sum(o.emitted_per_round) for o in outs) / rounds)
+    assert 1.0 <= got["tau_measured"] <= 4.0 and 0.0 <= got["alpha1_measured"] <= 1.0
