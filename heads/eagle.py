@@ -503,6 +503,10 @@ class EagleDrafter(nn.Module):
             if missing:
                 raise SpectrainError(f"warm start from the verifier's last layer: it has no {missing} (a Llama-style "
                                      "decoder layer is needed)")
+            extra = sorted(n for n in params if not n.endswith(".weight") or n.rsplit(".", 1)[0] not in names)
+            if extra:  # e.g. Qwen2's q/k/v biases or Qwen3's q/k norms: the copy would not be that layer
+                raise SpectrainError(f"warm start from the verifier's last layer: it has parameters the drafter's "
+                                     f"layer lacks ({extra[:4]}); use --model.layer_init random or identity")
             h = self.config.hidden_size
             for name in names[:-1]:
                 ours, theirs = self.layer.get_parameter(f"{name}.weight"), params[f"{name}.weight"]

@@ -109,3 +109,10 @@ def test_measured_tau_is_the_evaluators_tau_on_the_validation_prompts(verifier_f
     rounds = sum(len(o.accept_lengths) for o in outs)
     assert got["tau_measured"] == pytest.approx(sum(sum(o.emitted_per_round) for o in outs) / rounds)
     assert 1.0 <= got["tau_measured"] <= 4.0 and 0.0 <= got["alpha1_measured"] <= 1.0
+
+
+def test_warm_start_refuses_a_layer_it_cannot_copy():
+    """Qwen3's q/k norms (and Qwen2's q/k/v biases) have no place in the drafter's layer: refused, not dropped."""
+    verifier = make_verifier("qwen3", False, 300)
+    with pytest.raises(SpectrainError, match="parameters the drafter's layer lacks"):
+        EagleDrafter.for_verifier(verifier, "eagle1").warm_start(verifier, "verifier")
