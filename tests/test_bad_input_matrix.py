@@ -2,7 +2,7 @@
 
 A finished training run, an offline store and an export exist before the matrix runs; every case is
 attempted against (or beside) them, and afterwards their files must be byte-for-byte what they were.
-The README's troubleshooting table lists these cases with their messages.
+docs/troubleshooting.md lists these cases with their messages.
 """
 
 from __future__ import annotations

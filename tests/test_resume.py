@@ -86,3 +86,36 @@ def test_changed_config_or_damaged_checkpoint_is_refused(tmp_path, args_for):
     assert damaged.returncode == 2 and "cannot be read" in damaged.stderr and "Traceback" not in damaged.stderr
     fresh = run(args_for(tmp_path / "r", "--force", "true"))
     assert fresh.returncode == 0, fresh.stderr[-3000:]
+
+
+def test_extend_a_finished_run(tmp_path, args_for):
+    """--extend continues a finished run from its last checkpoint with a larger budget; nothing else may change."""
+    def with_steps(steps: int, *extra: str) -> list[str]:
+        args = args_for(tmp_path / "r", "--checkpoint_every", "7", *extra)  # resume.ckpt and last.ckpt tie at 7
+        i = args.index("--trainer.max_steps")
+        return args[:i + 1] + [str(steps)] + args[i + 2:]
+
+    first = run(with_steps(7))
+    assert first.returncode == 0, first.stderr[-3000:]
+    s1 = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s1["steps"] == 7 and len(s1["curve"]) == 1 and s1["train_seconds"] > 0
+
+    same_budget = run(with_steps(7, "--extend", "true"))
+    assert same_budget.returncode == 2 and "does not go beyond the 7 steps" in same_budget.stderr
+    assert "Traceback" not in same_budget.stderr and (tmp_path / "r" / "summary.json").is_file()
+    other = run(with_steps(14, "--extend", "true", "--model.lr", "0.01"))
+    assert other.returncode == 2 and "another config" in other.stderr and "Traceback" not in other.stderr
+    both = run(with_steps(14, "--extend", "true", "--force", "true"))
+    assert both.returncode == 2 and "pass one of them" in both.stderr
+    nothing = run(args_for(tmp_path / "typo", "--extend", "true"))
+    assert nothing.returncode == 2 and "no run to extend" in nothing.stderr
+
+    extended = run(with_steps(14, "--extend", "true"))
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    assert "resuming" in extended.stdout and "last.ckpt (step 7)" in extended.stdout
+    s2 = json.loads((tmp_path / "r" / "summary.json").read_text())
+    # The step-7 validation (saved in last.ckpt, not in the tied resume.ckpt) stays on the curve.
+    assert s2["steps"] == 14 and [c["step"] for c in s2["curve"]] == [7, 14]
+    assert s2["trained_tokens"] > s1["trained_tokens"] and s2["curve"][0] == s1["curve"][0]
+    assert s2["curve"][1]["train_seconds"] > s2["curve"][0]["train_seconds"] == s1["curve"][0]["train_seconds"]
+    assert json.loads((tmp_path / "r" / "summary.before-extend.json").read_text())["steps"] == 7

@@ -10,6 +10,7 @@ subclass provides ``build_drafter``, ``drafter_loss``, ``validation_counts``, ``
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Literal, Optional
 
@@ -150,6 +151,10 @@ class DrafterModule(L.LightningModule):
         self._val_sums: dict[str, torch.Tensor] = {}
         self.last_val_metrics: dict[str, float] = {}
         self.trained_tokens = 0
+        # Seconds spent training (optimizer steps, data, periodic resume checkpoints), validation excluded, summed
+        # over resumes: the wall-clock axis on which drafters are compared at equal compute.
+        self.train_seconds = 0.0
+        self._clock: Optional[float] = None
 
     def load_initial_drafter(self, path: str) -> None:
         """Copy the weights of the drafter in ``path`` (any importable format) into ``self.drafter``."""
@@ -367,6 +372,18 @@ class DrafterModule(L.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in parts.items()}, batch_size=batch["input_ids"].shape[0])
         return loss
 
+    def on_train_start(self) -> None:
+        self._clock = time.perf_counter()  # also on a mid-epoch resume, where no epoch starts
+
+    def on_train_epoch_start(self) -> None:
+        self._clock = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._clock is not None:
+            self.train_seconds += now - self._clock
+        self._clock = now
+
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
 
@@ -387,8 +404,14 @@ class DrafterModule(L.LightningModule):
         self.last_val_metrics = metrics
         if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:  # the learning curve (the final
             # validate() scores the best checkpoint; sanity checks see a few batches only)
-            self.curve.append({"step": self.global_step, "trained_tokens": self.trained_tokens, **metrics})
+            self.curve.append({"step": self.global_step, "trained_tokens": self.trained_tokens,
+                               "train_seconds": round(self.train_seconds, 1), **metrics})
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=False)
+
+    def on_validation_end(self) -> None:
+        # Runs after the checkpoint callbacks: neither the validation nor its checkpoint writes count as training.
+        if self.trainer.state.fn == "fit":
+            self._clock = time.perf_counter()
 
     # -- measured tau: the real speculative loop on a few fixed prompts ------------------------------------------
     def _collect_prompts(self, batch: dict) -> None:
@@ -463,7 +486,8 @@ class DrafterModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(VERIFIER_PREFIX)}
         checkpoint["spectrain"] = {"verifier": self.verifier_name, "method": self.method_name,
-                                   "trained_tokens": self.trained_tokens, "curve": self.curve}
+                                   "trained_tokens": self.trained_tokens, "train_seconds": self.train_seconds,
+                                   "curve": self.curve}
         # The RNG streams the loss draws from (EAGLE-1's feature noise), so a resumed run draws the same numbers.
         checkpoint["rng"] = {"torch": torch.get_rng_state(),
                              **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})}
@@ -476,6 +500,7 @@ class DrafterModule(L.LightningModule):
         if missing:
             raise SpectrainError(f"checkpoint lacks drafter weights {missing[:4]}: it is not a {self.method_name} checkpoint")
         self.trained_tokens = int(saved.get("trained_tokens", 0))
+        self.train_seconds = float(saved.get("train_seconds", 0.0))
         self.curve = list(saved.get("curve", []))
         rng = checkpoint.get("rng") or {}
         if "torch" in rng:

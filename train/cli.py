@@ -12,6 +12,7 @@ unfinished run.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -86,6 +87,12 @@ class SpectrainCLI(LightningCLI):
         parser.add_argument("--force", type=bool, default=False,
                             help="start over in --run_dir: overwrite a finished run, or discard an unfinished one "
                                  "instead of resuming it")
+        parser.add_argument("--extend", type=bool, default=False,
+                            help="continue a run in --run_dir (finished or interrupted) from its last checkpoint with "
+                                 "a larger --trainer.max_steps or --trainer.max_time (the rest of the config unchanged; "
+                                 "max_time counts the whole run when the run had one). The "
+                                 "cosine schedule spans max_steps: a run that max_time stopped early continues on "
+                                 "the same schedule; a larger max_steps stretches it (the learning rate rises again)")
         parser.add_argument("--checkpoint_every", type=int, default=50,
                             help="save a resume checkpoint every N optimizer steps (checkpoints/resume.ckpt); "
                                  "re-running the same command after a crash continues from it")
@@ -99,9 +106,12 @@ class SpectrainCLI(LightningCLI):
             data = cfg.data.path or "tinyshakespeare"
             cfg.run_dir = str(Path("runs") / f"{self.method}-{_slug(cfg.model.verifier)}-{_slug(data)}")
         self.run_dir = Path(cfg.run_dir).expanduser()
-        if (self.run_dir / "summary.json").exists() and not cfg.force:
-            raise SpectrainError(f"{self.run_dir} holds a finished run (summary.json); pass --force to overwrite it "
-                                 "or choose another --run_dir")
+        if (self.run_dir / "summary.json").exists() and not (cfg.force or cfg.extend):
+            raise SpectrainError(f"{self.run_dir} holds a finished run (summary.json); pass --extend with a larger "
+                                 "--trainer.max_steps / --trainer.max_time to train it further, --force to overwrite "
+                                 "it, or choose another --run_dir")
+        if cfg.force and cfg.extend:
+            raise SpectrainError("--force starts over and --extend continues: pass one of them")
         strategy = cfg.trainer.get("strategy") if hasattr(cfg.trainer, "get") else getattr(cfg.trainer, "strategy", None)
         if isinstance(strategy, str) and strategy.startswith("fsdp") and not torch.cuda.is_available():
             raise SpectrainError(f"--trainer.strategy {strategy}: Lightning's FSDP needs CUDA devices and none is "
@@ -178,15 +188,18 @@ def train(model_class: type[DrafterModule], default_config: str, args=None) -> P
     return finish(summary, run_dir / "summary.json", tables=summary_tables(summary))
 
 
-RESUME_MAY_CHANGE = ("force", "checkpoint_every", "logger", "wandb_project")
+RESUME_MAY_CHANGE = ("force", "extend", "checkpoint_every", "logger", "wandb_project")
+# Trainer keys an extension (--extend) raises: the budget.
+EXTEND_MAY_CHANGE = ("max_steps", "max_time")
 # Model keys that only choose what is measured, not what is trained: a resumed run may change them.
 MEASURE_KEYS = ("measure_prompts", "measure_k", "measure_new_tokens")
 # Model keys added after runs were saved, with the value that reproduces a config without them.
 ADDED_MODEL_KEYS = {"layer_init": "random", "norm_init": "default", "drop_outside_vocab": False}
 
 
-def _comparable(config_text: str, unresolved_precision: bool = False) -> str:
-    """A resolved config minus the keys that may differ between a run and its resumption.
+def _comparable(config_text: str, unresolved_precision: bool = False, extend: bool = False) -> str:
+    """A resolved config minus the keys that may differ between a run and its resumption (and, with ``extend``,
+    the training budget).
 
     ``unresolved_precision``: the saved config predates resolved precisions (``precision: null``, ``verifier_dtype:
     auto``), so precision is left out of the comparison rather than called a change.
@@ -204,6 +217,9 @@ def _comparable(config_text: str, unresolved_precision: bool = False) -> str:
     for key, old in ADDED_MODEL_KEYS.items():
         if model.get(key, old) == old:
             model.pop(key, None)
+    if extend:
+        for key in EXTEND_MAY_CHANGE:
+            (config.get("trainer") or {}).pop(key, None)
     if unresolved_precision:
         (config.get("trainer") or {}).pop("precision", None)
         (config.get("model") or {}).pop("verifier_dtype", None)
@@ -214,9 +230,11 @@ def prepare_run_dir(cli: SpectrainCLI) -> str | None:
     """Create or reuse the run directory; returns the checkpoint to resume from, if any.
 
     An unfinished run (no summary.json) with a checkpoint is resumed from its most advanced checkpoint,
-    provided the resolved config is the same; ``--force`` starts over instead.
+    provided the resolved config is the same; ``--force`` starts over instead. ``--extend`` resumes a finished
+    run the same way, its budget (``trainer.max_steps`` / ``max_time``) allowed to differ; its old summary.json
+    stays until the extension writes the new one.
     """
-    run_dir, force = cli.run_dir, cli.config.force
+    run_dir, force, extend = cli.run_dir, cli.config.force, cli.config.extend
     config_text = cli.parser.dump(cli.config, skip_none=False)
     checkpoints = run_dir / "checkpoints"
     resume_from = None
@@ -229,20 +247,55 @@ def prepare_run_dir(cli: SpectrainCLI) -> str | None:
             saved = run_dir / "config.yaml"
             old = saved.read_text() if saved.is_file() else None
             unresolved = old is not None and "precision: null" in old  # saved before precisions were resolved
-            if old is not None and _comparable(old, unresolved) != _comparable(config_text, unresolved):
-                    raise SpectrainError(f"{run_dir} holds an unfinished run with another config ({saved}); re-run "
-                                         "the same command to resume it, or pass --force to start over")
-            steps = {path: _checkpoint_step(path) for path in candidates}  # also proves each is readable
-            best = max(steps, key=steps.get)
+            if old is not None and _comparable(old, unresolved, extend) != _comparable(config_text, unresolved, extend):
+                what = "a run" if extend else "an unfinished run"
+                raise SpectrainError(f"{run_dir} holds {what} with another config ({saved}); re-run the same command "
+                                     "(--extend may change only trainer.max_steps / max_time), or pass --force to "
+                                     "start over")
+            progress = {path: _checkpoint_progress(path) for path in candidates}  # also proves each is readable
+            # On a tie, last.ckpt: it was saved after that step's validation, resume.ckpt before it.
+            best = max(progress, key=lambda p: (progress[p][0], p.name == "last.ckpt"))
+            step, elapsed = progress[best]
+            if extend:
+                check_extension(cli.config.trainer, step, elapsed, run_dir)
             resume_from = str(best)
-            print(f"resuming {run_dir} from {resume_from} (step {steps[best]})", flush=True)
+            print(f"resuming {run_dir} from {resume_from} (step {step})", flush=True)
+    if extend and resume_from is None:
+        raise SpectrainError(f"--extend: {run_dir} holds no run to extend (no checkpoints/last.ckpt or resume.ckpt)")
+    if extend and (run_dir / "summary.json").exists():
+        # Unfinished again until the extension writes its own summary: a crash mid-extension leaves a run that
+        # re-running the command resumes, never a summary that describes other weights.
+        os.replace(run_dir / "summary.json", run_dir / "summary.before-extend.json")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_text)
     return resume_from
 
 
-def _checkpoint_step(path: Path) -> int:
-    """The global step a Lightning checkpoint was saved at; a clear error if the file is damaged."""
+def check_extension(trainer_cfg, step: int, elapsed: float | None, run_dir: Path) -> None:
+    """Refuse an ``--extend`` whose budget would train nothing more (Lightning would stop at once, exit 0)."""
+    max_steps, max_time = trainer_cfg.get("max_steps"), trainer_cfg.get("max_time")
+    if max_steps not in (None, -1) and max_steps <= step:
+        raise SpectrainError(f"--extend: --trainer.max_steps {max_steps} does not go beyond the {step} steps already "
+                             f"trained in {run_dir}")
+    seconds = _max_time_seconds(max_time)
+    if seconds is not None and elapsed is not None and seconds <= elapsed:
+        raise SpectrainError(f"--extend: --trainer.max_time {max_time} does not go beyond the {elapsed:.0f} s this "
+                             f"run has already fitted (Lightning's max_time counts the whole run); raise it")
+
+
+def _max_time_seconds(max_time) -> float | None:
+    """Lightning's ``max_time`` (``DD:HH:MM:SS`` or a dict of timedelta fields) in seconds; None when unset."""
+    if max_time is None:
+        return None
+    if isinstance(max_time, str):
+        days, hours, minutes, seconds = (int(x) for x in max_time.split(":"))
+        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    return datetime.timedelta(**dict(max_time)).total_seconds()
+
+
+def _checkpoint_progress(path: Path) -> tuple[int, float | None]:
+    """(global step, training seconds Lightning's Timer had counted, or None without one) of a Lightning
+    checkpoint; a clear error if the file is damaged."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, pickle of foreign classes, ...
@@ -250,7 +303,8 @@ def _checkpoint_step(path: Path) -> int:
                              "--force to start over") from None
     if not isinstance(checkpoint, dict) or "global_step" not in checkpoint or "spectrain" not in checkpoint:
         raise SpectrainError(f"{path} is not a spectrain training checkpoint")
-    return int(checkpoint["global_step"])
+    timer = next((v for k, v in (checkpoint.get("callbacks") or {}).items() if str(k).startswith("Timer")), None)
+    return int(checkpoint["global_step"]), ((timer or {}).get("time_elapsed") or {}).get("train")
 
 
 def close_loggers(trainer) -> None:
@@ -289,7 +343,9 @@ def build_summary(cli: SpectrainCLI, best: str, fit_seconds: float, wall_seconds
         "fit_seconds": round(fit_seconds, 1),
         "wall_seconds": round(wall_seconds, 1),
         "trained_tokens": model.trained_tokens,
-        "train_tokens_per_second": round(model.trained_tokens / max(fit_seconds, 1e-9), 1),
+        "train_seconds": round(model.train_seconds, 1),
+        # Over the whole run (resumes and extensions included); fit_seconds / wall_seconds are this invocation's.
+        "train_tokens_per_second": round(model.trained_tokens / max(model.train_seconds or fit_seconds, 1e-9), 1),
         "best_checkpoint": best or None,
         "drafter_dir": str(cli.run_dir.resolve()),
         "tau_pred": metrics.get("tau_pred"),
