@@ -37,16 +37,16 @@ def load_run(spec: str) -> tuple[str, dict]:
     return name, s
 
 
-def point_at(curve: list[dict], budget: float | None, key: str = "trained_tokens") -> dict:
+def point_at(curve: list[dict], budget: float | None, key: str = "trained_tokens", run: str = "") -> dict:
     """The last validation at or before ``budget`` of ``key`` (trained_tokens or train_seconds); the last one
     without a budget."""
     if budget is None:
         return curve[-1]
     if any(key not in c for c in curve):
-        raise SpectrainError(f"this run's curve has no {key} (trained before it was recorded)")
+        raise SpectrainError(f"run {run!r}: its curve has no {key} (trained before it was recorded)")
     before = [c for c in curve if c[key] <= budget]
     if not before:
-        raise SpectrainError(f"no validation at or before {budget} {key} (first at {curve[0][key]})")
+        raise SpectrainError(f"run {run!r}: no validation at or before {budget} {key} (first at {curve[0][key]})")
     return before[-1]
 
 
@@ -57,7 +57,7 @@ def main_(args) -> Path:
     runs = dict(load_run(spec) for spec in args.runs)
     rows, table = [], []
     for name, s in runs.items():
-        p = point_at(s["curve"], budget, key)
+        p = point_at(s["curve"], budget, key, name)
         row = {"run": name, "method": s["method"], "data": s["data"], "step": p["step"],
                "trained_tokens": p["trained_tokens"], "train_seconds": p.get("train_seconds"),
                "tau_pred": p.get("tau_pred"),

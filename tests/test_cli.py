@@ -177,3 +177,11 @@ def test_chat_data_skips_rows_without_assistant(verifier_factory, tmp_path):
     assert [c["step"] for c in curve] == [1, 2] and curve[0]["trained_tokens"] < curve[1]["trained_tokens"]
     assert all(1.0 <= c["tau_measured"] <= 5.0 and "tau_pred" in c for c in curve)
     assert summary["tau_measured"] == curve[-1]["tau_measured"]
+
+
+def test_time_budget_without_a_step_budget_is_a_clear_error(verifier_factory, text_file, tmp_path):
+    """max_time alone leaves the cosine schedule without a length: refused by name, not an OverflowError."""
+    with pytest.raises(SpectrainError, match="finite length"):
+        train(module_for_config("medusa_tinyshakespeare.yaml"), "medusa_tinyshakespeare.yaml",
+              args=small_args(verifier_factory("llama", False), text_file, tmp_path / "run", "--trainer.max_steps",
+                              "-1", "--trainer.max_time", "00:00:00:30"))

@@ -458,7 +458,11 @@ class DrafterModule(L.LightningModule):
         scaling = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
         optimizer = build_optimizer(self.drafter, self.lr, self.weight_decay, loss_scaling=scaling,
                                     no_decay=self.no_decay_params())
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        estimated = self.trainer.estimated_stepping_batches
+        if estimated == float("inf"):
+            raise SpectrainError("the cosine learning-rate schedule needs a finite length: set --trainer.max_steps (or "
+                                 "max_epochs); --trainer.max_time alone can only stop a run early")
+        total = max(1, int(estimated))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: cosine_with_warmup(step, self.warmup_steps, total, self.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
