@@ -8,24 +8,22 @@ writes ``pretrained/NAME/``: the weights in ``--format`` (a layout both spectrai
 ``speculators`` / ``eagle3`` for EAGLE-3, ``eagle`` for EAGLE-1, ``medusa`` for Medusa), ``card.json`` (the
 facts a test and a reader need: verifier, data, tokens, steps, measured tau, the training command),
 ``README.md`` (the card for people) and ``train_config.yaml`` (the run's resolved recipe). The directory is
-built beside the target and renamed into place; an existing one is kept unless ``--force``. Prints a table and
+built beside the target and renamed into place (``heads.io.atomic_dir``); an existing one is kept unless ``--force``. Prints a table and
 the card's path last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.formats import check_format_for, export_drafter, import_drafter, method_of, weights_file
-from spectrain.heads.io import read_json
+from spectrain.heads.io import atomic_dir, read_json, write_json
 from spectrain.heads.report import finish, format_table
 
 
@@ -109,33 +107,23 @@ def main_(args) -> Path:
     config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     drafter = import_drafter(run_dir)
     check_format_for(drafter, args.format)
-    drafter = drafter.to(torch.bfloat16)  # floating tensors only: the vocabulary maps stay integers
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{args.name}.", dir=target.parent))
-    tmp = scratch / args.name
-    try:
-        export_drafter(drafter, args.format, tmp, verifier_name=args.verifier_name,
-                       speculative_tokens=args.speculative_tokens)
+    with atomic_dir(target, force=args.force) as tmp:
+        # The export replaces the (empty) staging directory in place; the card files join it there.
+        export_drafter(drafter, args.format, tmp, verifier_name=args.verifier_name, force=True,
+                       dtype=torch.bfloat16, speculative_tokens=args.speculative_tokens)
         shutil.copy(run_dir / "config.yaml", tmp / "train_config.yaml")
-        last = summary["curve"][-1] if summary.get("curve") else {}
         card = {"name": args.name, "method": method_of(drafter), "format": args.format, "dtype": "bfloat16",
                 "verifier": summary["verifier"], "verifier_hub_id": args.verifier_name,
                 "verifier_note": args.verifier_note, "data": args.data,
-                "precision": (config.get("trainer") or {}).get("precision"), "machine": args.machine, "steps": summary["steps"],
-                "trained_tokens": summary["trained_tokens"], "train_seconds": summary.get("train_seconds") or summary["fit_seconds"],
+                "precision": (config.get("trainer") or {}).get("precision"), "machine": args.machine,
+                "steps": summary["steps"], "trained_tokens": summary["trained_tokens"],
+                "train_seconds": summary.get("train_seconds") or summary["fit_seconds"],
                 "tau_pred": summary["tau_pred"], "tau_measured": summary.get("tau_measured"),
                 "measured_on": args.measured_on, "curve": summary.get("curve"),
                 "command": args.command, "eval": eval_rows(args.eval, args.results_row),
-                "size_mb": (tmp / weights_file(args.format)).stat().st_size / 2 ** 20,
-                "last_validation": last}
-        (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+                "size_mb": (tmp / weights_file(args.format)).stat().st_size / 2 ** 20}
+        write_json(tmp / "card.json", card)
         (tmp / "README.md").write_text(card_text(card))
-        tmp.chmod(0o755)  # the export is staged in a private (0700) temporary directory
-        if target.exists():  # set the old one aside first: the target is never missing or half-replaced
-            target.rename(scratch / "replaced")
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     table = format_table(["", "value"], [["drafter", target], ["format", args.format],
                                          ["size MB", f"{card['size_mb']:.1f}"], ["tokens", card["trained_tokens"]],
                                          ["tau measured", fmt(card["tau_measured"])]], title="shipped")

@@ -56,6 +56,7 @@ def atomic_dir(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
         raise SpectrainError(f"{path} already exists; pass --force to overwrite it")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp's private 0700 would otherwise become the result's mode
     try:
         yield tmp
         if path.exists():

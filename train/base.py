@@ -373,10 +373,7 @@ class DrafterModule(L.LightningModule):
         return loss
 
     def on_train_start(self) -> None:
-        self._clock = time.perf_counter()  # also on a mid-epoch resume, where no epoch starts
-
-    def on_train_epoch_start(self) -> None:
-        self._clock = time.perf_counter()
+        self._clock = time.perf_counter()  # after any sanity check; also on a mid-epoch resume
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         now = time.perf_counter()
