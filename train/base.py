@@ -402,7 +402,7 @@ class DrafterModule(L.LightningModule):
         if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:  # the learning curve (the final
             # validate() scores the best checkpoint; sanity checks see a few batches only)
             self.curve.append({"step": self.global_step, "trained_tokens": self.trained_tokens,
-                               "train_seconds": round(self.train_seconds, 1), **metrics})
+                               "train_seconds": round(self.train_seconds, 3), **metrics})
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=False)
 
     def on_validation_end(self) -> None:

@@ -343,7 +343,7 @@ def build_summary(cli: SpectrainCLI, best: str, fit_seconds: float, wall_seconds
         "fit_seconds": round(fit_seconds, 1),
         "wall_seconds": round(wall_seconds, 1),
         "trained_tokens": model.trained_tokens,
-        "train_seconds": round(model.train_seconds, 1),
+        "train_seconds": round(model.train_seconds, 3),
         # Over the whole run (resumes and extensions included); fit_seconds / wall_seconds are this invocation's.
         "train_tokens_per_second": round(model.trained_tokens / max(model.train_seconds or fit_seconds, 1e-9), 1),
         "best_checkpoint": best or None,
