@@ -25,8 +25,8 @@ from .calibrate import medusa_diagnostics
 from .costs import draft_cost, plan, probe_state, verify_cost
 from .decode import generate
 from .decode_dtype import decode_dtype
-from .drafters import (MAX_NGRAM, Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter, HybridDrafter,
-                       MedusaDrafter, ModelDrafter, NgramDrafter, truncated_verifier)
+from .drafters import (Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter, HybridDrafter, MedusaDrafter,
+                       ModelDrafter, NgramDrafter, check_min_match, truncated_verifier)
 from .prompts import BUNDLED, load_prompts
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree, expected_accept_length
@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--method hybrid: a chain round drafts by prompt lookup when the context's last N or more "
                         "tokens occurred earlier (and by the learned drafter otherwise); trees always carry the "
                         "lookup's continuation as one more branch when there is such a match")
+    p.add_argument("--min_match_sampled", type=int, default=4,
+                   help="--method hybrid at --temperature > 0: the same for chain rounds (lookup drafts are "
+                        "deterministic, accepted with probability q(c): only long matches pay)")
     p.add_argument("--draft_model", default=None, help="draft LM for --method draft-model (same tokenizer)")
     p.add_argument("--draft_layers", type=int, default=1, help="layers kept by --method truncated")
     p.add_argument("--allow_verifier_mismatch", action="store_true",
@@ -223,13 +226,15 @@ def build_hybrid(args, tree: Tree, verifier, heads, name: str) -> HybridDrafter:
         if budget <= k:
             raise SpectrainError(f"--dynamic_tree budget {budget} leaves no room beside the lookup branch of {k}")
         learned = EagleTreeDrafter(heads, verifier.model, dynamic=(depth, topk, budget - k))
-        return HybridDrafter(learned, k, merge=True, min_match=args.min_match)
+        return HybridDrafter(learned, k, merge=True, min_match=args.min_match,
+                             min_match_sampled=args.min_match_sampled)
     if isinstance(heads, MedusaHeads):
         learned = MedusaDrafter(heads, verifier.model.get_output_embeddings(), tree)
     else:
         learned = (EagleChainDrafter(heads, verifier.model, tree.size) if tree.is_chain
                    else EagleTreeDrafter(heads, verifier.model, tree=tree))
-    return HybridDrafter(learned, k if not tree.is_chain else tree.size, merge=not tree.is_chain, min_match=args.min_match)
+    return HybridDrafter(learned, k if not tree.is_chain else tree.size, merge=not tree.is_chain,
+                         min_match=args.min_match, min_match_sampled=args.min_match_sampled)
 
 
 # -------------------------------------------------------------------------------------------- runs
@@ -332,9 +337,8 @@ def hf_generate_speed(model, tokenizer, prompts, use_template, args, n: int) -> 
 
 
 def evaluate(args) -> Path:
-    if args.method == "hybrid" and not 1 <= args.min_match <= MAX_NGRAM:
-        raise SpectrainError(f"--min_match must be between 1 and {MAX_NGRAM} (the longest n-gram looked up), "
-                             f"got {args.min_match}")
+    if args.method == "hybrid":
+        check_min_match(args.min_match, args.min_match_sampled)
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, args.device)

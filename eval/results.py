@@ -42,8 +42,8 @@ from . import metrics
 from .accept import Sampling
 from .calibrate import medusa_diagnostics
 from .cli import encode_turn, load_drafter, run_prompts, summarize
-from .drafters import (MAX_NGRAM, Drafter, EagleChainDrafter, EagleTreeDrafter, HybridDrafter, MedusaDrafter,
-                       NgramDrafter)
+from .drafters import (Drafter, EagleChainDrafter, EagleTreeDrafter, HybridDrafter, MedusaDrafter, NgramDrafter,
+                       check_min_match)
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree
 
@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "repeatable); its trees hold the lookup branch within the same --tree_nodes budget")
     p.add_argument("--min_match", type=int, default=2,
                    help="hybrid chain rounds draft by lookup when the context's last N+ tokens occurred earlier")
+    p.add_argument("--min_match_sampled", type=int, default=4,
+                   help="the same for the hybrid's --sampled rows (lookup drafts are deterministic: accepted with "
+                        "probability q(c), so only long matches pay)")
     p.add_argument("--sampled", action="append", default=[], metavar="NAME",
                    help="also measure this row's chain at --sampled_temperature (repeatable; a --drafter name, "
                         "'ngram' or 'hybrid-NAME')")
@@ -283,10 +286,12 @@ def build(ctx: Context, row: dict, path: str, reference: list[dict]) -> tuple[Dr
                                             reference, args.tree_nodes - reserve)
         merge = not row["setting"].startswith("chain")
         definition = {**definition, "nodes": definition["nodes"] + reserve, "min_match": args.min_match,
+                      "min_match_sampled": args.min_match_sampled,
                       "depth": max(definition.get("depth", args.k), args.k),
                       "tree": ("chain: prompt lookup when it matches, else " if not merge else
                                "the learned tree + the lookup branch; learned: ") + definition["tree"]}
-        return HybridDrafter(learned, args.k, merge=merge, min_match=args.min_match), definition
+        return HybridDrafter(learned, args.k, merge=merge, min_match=args.min_match,
+                             min_match_sampled=args.min_match_sampled), definition
     return build_learned(ctx, row, path, reference, args.tree_nodes)
 
 
@@ -417,9 +422,7 @@ def results(args, log=print) -> Path:
         drafters["ngram"] = ""
     if not drafters:
         raise SpectrainError("nothing to measure: give --drafter NAME=PATH and/or --ngram")
-    if not 1 <= args.min_match <= MAX_NGRAM:
-        raise SpectrainError(f"--min_match must be between 1 and {MAX_NGRAM} (the longest n-gram looked up), "
-                             f"got {args.min_match}")
+    check_min_match(args.min_match, args.min_match_sampled)
     if args.hybrid and args.tree_nodes and args.tree_nodes <= args.k:
         raise SpectrainError(f"--tree_nodes {args.tree_nodes} leaves no room beside the hybrid's lookup branch of "
                              f"--k {args.k}")
@@ -431,7 +434,8 @@ def results(args, log=print) -> Path:
     settings = settings_of(args, sets)
     rows_dir = open_out(out, settings, args.force)
     prints = {name: ("ngram-max3" if name == "ngram" else fingerprint(path) + (
-        f"-hybrid-m{args.min_match}" if name.startswith("hybrid-") else "")) for name, path in drafters.items()}
+        f"-hybrid-m{args.min_match}s{args.min_match_sampled}" if name.startswith("hybrid-") else ""))
+              for name, path in drafters.items()}
     ctx = Context(args, sets)
     t0 = time.time()
 

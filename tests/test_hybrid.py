@@ -94,6 +94,33 @@ def test_bad_hybrid_settings_are_refused(bigram):
         HybridDrafter(NgramDrafter(K), K, merge=False)
 
 
+def test_sampled_chain_rounds_need_the_longer_match(bigram):
+    """At T > 0 lookup drafts are deterministic (accepted with probability q(c)), so a chain round drafts by lookup
+    only for a match of ``min_match_sampled`` tokens, found by looking up n-grams that long; T = 0 keeps
+    ``min_match``."""
+    from spectrain.eval.drafters import DraftState
+
+    model, perm = bigram
+    medusa = MedusaDrafter(oracle_medusa(model, perm, K, noise=1.6), model.get_output_embeddings(), Tree.chain(K))
+    hybrid = HybridDrafter(medusa, K, merge=False, min_match=2, min_match_sampled=4)
+    three = [7, 8, 9, 50, 51, 52, 53, 7, 8, 9]  # the last 3 tokens occurred before, the last 4 did not
+    four = [6, 7, 8, 9, 50, 51, 52, 53, 6, 7, 8, 9]
+
+    def drafted_by_lookup(history: list[int], sampling: Sampling) -> bool:
+        before = hybrid.lookup_rounds
+        tokens = hybrid.propose(DraftState(tokens=torch.tensor(history + [0] * 8), length=len(history),
+                                           hidden=torch.randn(model.config.hidden_size), sampling=sampling,
+                                           history=history)).tokens.tolist()
+        assert not (hybrid.lookup_rounds > before) or tokens == [50, 51, 52, 53]
+        return hybrid.lookup_rounds > before
+
+    assert drafted_by_lookup(three, Sampling()) and drafted_by_lookup(four, Sampling())
+    assert not drafted_by_lookup(three, Sampling(temperature=1.0))
+    assert drafted_by_lookup(four, Sampling(temperature=1.0))
+    with pytest.raises(SpectrainError, match="min_match_sampled"):
+        HybridDrafter(medusa, K, merge=False, min_match_sampled=9)
+
+
 class RecordingEagle(EagleChainDrafter):
     """Checks the feature hand-over: after every learned round its cache holds exactly the committed positions."""
 
@@ -163,7 +190,7 @@ def test_sampled_hybrid_matches_the_verifier_distribution(merge):
     eagle = oracle_eagle1(model, noise=0.5)
     learned = (EagleTreeDrafter(eagle, model, tree=Tree.from_paths([[0], [1], [0, 0]])) if merge
                else EagleChainDrafter(eagle, model, 3))
-    hybrid = HybridDrafter(learned, 3, merge=merge)
+    hybrid = HybridDrafter(learned, 3, merge=merge, min_match_sampled=2)  # short matches: many lookup rounds
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     runner = StaticCausalLM(model, max_len=40)
     g = torch.Generator().manual_seed(0)
