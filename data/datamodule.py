@@ -9,22 +9,23 @@ when extracted with ``--topk``), see :mod:`spectrain.data.store`.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Literal, Optional
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.io import atomic_dir
 from spectrain.heads.verifier import load_tokenizer
 
 from .bundled import VAL_FRACTION, bundled_text_path
+from .loader import EveryNth, rank_and_world
 
 log = logging.getLogger(__name__)
 
@@ -200,21 +201,19 @@ class DrafterDataModule(L.LightningDataModule):
         if not Path(path).is_file():
             raise SpectrainError(f"chat data file not found: {path}")
         cache = self._chat_cache_dir(path)
-        if (cache / "dataset_info.json").is_file():
-            ds = datasets.load_from_disk(str(cache))
-            self.skipped = int(json.loads((cache / "spectrain.json").read_text())["skipped"])
-        else:
-            rows, self.skipped = tokenize_chat_file(path, self.tokenizer, self.block_size)
-            if len(rows) < 2:
-                raise SpectrainError(f"{path}: {len(rows)} usable conversation(s); need at least 2 for a validation split")
-            ds = datasets.Dataset.from_list(rows)
-            tmp = cache.with_name(cache.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            ds.save_to_disk(str(tmp))
-            (tmp / "spectrain.json").write_text(json.dumps({"skipped": self.skipped}))
-            shutil.rmtree(cache, ignore_errors=True)
-            os.replace(tmp, cache)  # complete or absent: never half a cache
-            ds = datasets.load_from_disk(str(cache))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with open(cache.parent / f".{cache.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # data-parallel ranks (or two runs) asking at once: built once
+            if not (cache / "dataset_info.json").is_file():
+                rows, skipped = tokenize_chat_file(path, self.tokenizer, self.block_size)
+                if len(rows) < 2:
+                    raise SpectrainError(f"{path}: {len(rows)} usable conversation(s); need at least 2 for a "
+                                         "validation split")
+                with atomic_dir(cache, force=True) as tmp:  # complete or absent: never half a cache
+                    datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+                    (tmp / "spectrain.json").write_text(json.dumps({"skipped": skipped}))
+        ds = datasets.load_from_disk(str(cache))
+        self.skipped = int(json.loads((cache / "spectrain.json").read_text())["skipped"])
         if self.skipped:
             log.warning("%s: skipped %d conversation(s) with no assistant turn, or whose assistant turns all fall "
                         "beyond block_size=%d tokens", path, self.skipped, self.block_size)
@@ -315,5 +314,18 @@ class DrafterDataModule(L.LightningDataModule):
         return None
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,
-                          num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed))
+        """This rank's share of the validation rows (rows rank, rank + world, ...): the ranks' summed counts equal
+        one process's."""
+        rank, world = rank_and_world()
+        rows = self.val_set
+        if world > 1:
+            if hasattr(rows, "__getitem__"):
+                if len(rows) < world:
+                    raise SpectrainError(f"{self.data_name}: {len(rows)} validation rows for {world} ranks; "
+                                         "raise data.val_fraction")
+                rows = Subset(rows, range(rank, len(rows), world))
+            else:
+                rows = EveryNth(rows, rank, world)
+        return DataLoader(rows, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,
+                          num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
+                          generator=torch.Generator().manual_seed(self.seed))

@@ -18,13 +18,25 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 
 def rank_and_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+class EveryNth(IterableDataset):
+    """Items ``rank``, ``rank + world``, ... of an iterable dataset: one rank's share of a validation stream."""
+
+    def __init__(self, items, rank: int, world: int):
+        self.items, self.rank, self.world = items, rank, world
+
+    def __iter__(self):
+        for i, item in enumerate(self.items):
+            if i % self.world == self.rank:
+                yield item
 
 
 class ResumableLoader:
@@ -109,4 +121,4 @@ class ResumableLoader:
         # would shift the random stream a resumed run restores (EAGLE-1's feature noise draws from it).
         return iter(DataLoader(Subset(self.dataset, indices), batch_size=self.batch_size, shuffle=False,
                                drop_last=True, collate_fn=self.collate_fn, num_workers=self.num_workers,
-                               generator=torch.Generator().manual_seed(self.seed + epoch)))
+                               pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(self.seed + epoch)))

@@ -241,3 +241,49 @@ def test_jsonl_lines_end_at_newline_only(tmp_path):
     path = tmp_path / "odd.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     assert load_records(str(path)) == rows
+
+
+def test_two_processes_build_the_chat_cache_once(tmp_path, monkeypatch, verifier_factory):
+    """Data-parallel ranks set up the same data at once: one builds the tokenized cache, the other waits for it
+    (a lock), and both read the same complete cache."""
+    import threading
+    import time
+
+    from spectrain.data import datamodule as dm
+
+    monkeypatch.setenv("SPECTRAIN_CACHE", str(tmp_path / "cache"))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                        {"role": "assistant", "content": f"answer {i}"}]})
+                              for i in range(12)))
+    from spectrain.data import chat as chat_module
+
+    calls = []
+
+    original = chat_module.tokenize_chat_file
+
+    def slow(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.5)  # wide open for the other thread to start building too, were there no lock
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chat_module, "tokenize_chat_file", slow)
+    verifier = str(verifier_factory("llama", False))
+    modules = [dm.DrafterDataModule(path=str(chat), tokenizer=verifier, block_size=64) for _ in range(2)]
+    errors = []
+
+    def setup(m):
+        try:
+            m.setup("fit")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=setup, args=(m,)) for m in modules]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(calls) == 1
+    a, b = (list(m.train_set["input_ids"]) + list(m.val_set["input_ids"]) for m in modules)
+    assert a == b and len(a) == 12
+    assert not [p for p in (tmp_path / "cache" / "tokenized").iterdir() if p.name.endswith(".tmp")]

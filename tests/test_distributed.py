@@ -28,6 +28,7 @@ def test_ddp_two_processes_match_one(tmp_path, verifier_factory, text_file):
     common = ["--model.verifier", str(verifier_factory("llama", False)), "--data.path", str(text_file),
               "--data.block_size", "32", "--trainer.max_steps", "6", "--trainer.val_check_interval", "6",
               "--trainer.limit_val_batches", "2", "--model.num_heads", "2", "--logger", "none",
+              "--model.measure_prompts", "3", "--model.measure_new_tokens", "8",
               "--trainer.precision", "32-true"]  # exact equality is an fp32 property (bf16 sums round per rank)
     one = run_train_medusa(*common, "--data.batch_size", "8", "--run_dir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
@@ -43,8 +44,59 @@ def test_ddp_two_processes_match_one(tmp_path, verifier_factory, text_file):
     s1 = json.loads((tmp_path / "one" / "summary.json").read_text())
     s2 = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert s1["steps"] == s2["steps"] == 6
-    assert s2["trained_tokens"] * 2 == s1["trained_tokens"]  # each rank counts its own half
+    # Tokens summed over ranks; validation sharded (rank r: rows r, r + 2, ...) and its counts summed; measured
+    # tau pooled over the same prompts, each rank decoding its share: all as one process.
+    assert s2["trained_tokens"] == s1["trained_tokens"] > 0
+    assert [c["trained_tokens"] for c in s2["curve"]] == [c["trained_tokens"] for c in s1["curve"]]
+    assert s1["val_metrics"].keys() == s2["val_metrics"].keys() and "tau_measured" in s1["val_metrics"]
+    for key, value in s1["val_metrics"].items():
+        assert s2["val_metrics"][key] == pytest.approx(value, rel=1e-6), key
     assert any(float(v.abs().max()) > 0 for k, v in a.items() if "blocks" in k)  # training moved the heads
+    # Each rank's own random stream, both saved (rank 0 writes the file).
+    ranks = torch.load(tmp_path / "two" / "checkpoints" / "last.ckpt", weights_only=True)["rng"]["ranks"]
+    assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
+
+
+def test_ddp_step_with_a_head_that_has_no_targets(tmp_path, verifier_factory, text_file):
+    """A training vocabulary of 2 tokens drops nearly every greedy target, so some heads have no rows in a rank's
+    batch: their lm_heads must still take part in the step, or DDP stops at the next one."""
+    proc = run_train_medusa("--model.verifier", str(verifier_factory("llama", False)), "--data.path", str(text_file),
+                            "--data.block_size", "32", "--data.batch_size", "2", "--trainer.max_steps", "4",
+                            "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1",
+                            "--model.num_heads", "3", "--model.train_vocab_size", "2", "--logger", "none",
+                            "--trainer.precision", "32-true", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+                            "--trainer.strategy", "ddp", "--run_dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 4
+
+
+def test_ddp_syncs_the_drafter_only(verifier_factory):
+    """DDP broadcasts what it is not told to ignore, at the start and (buffers) before every forward: never the
+    frozen verifier, loaded alike on every rank."""
+    from spectrain.train.base import ddp_ignored_names
+    from spectrain.train.eagle import EagleModule
+
+    module = EagleModule(variant="eagle3", verifier=str(verifier_factory("llama", False)))
+    ignored = set(ddp_ignored_names(module))
+    params = dict(module.named_parameters())
+    assert {n for n in params if n.startswith("verifier.")} <= ignored
+    assert not {n for n in params if n.startswith("drafter.")} & ignored
+    assert {n for n, _ in module.named_buffers()} <= ignored and any("d2t" in n for n in ignored)
+
+
+def test_resume_restores_each_ranks_own_random_stream(verifier_factory):
+    from types import SimpleNamespace
+
+    from spectrain.train.medusa import MedusaModule
+
+    module = MedusaModule(verifier=str(verifier_factory("llama", False)), num_heads=1)
+    streams = [torch.Generator().manual_seed(r).get_state() for r in range(2)]
+    module._trainer = SimpleNamespace(world_size=2, global_rank=1)
+    module.restore_rng({"ranks": [{"torch": streams[0]}, {"torch": streams[1]}]})
+    assert torch.equal(torch.get_rng_state(), streams[1])
+    before = torch.get_rng_state()
+    module.restore_rng({"ranks": [{"torch": streams[0]}]})  # saved by another number of ranks: left as seeded
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_fsdp_units_never_mix_frozen_and_trainable(verifier_factory):

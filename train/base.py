@@ -150,7 +150,10 @@ class DrafterModule(L.LightningModule):
         self.strict_loading = False
         self._val_sums: dict[str, torch.Tensor] = {}
         self.last_val_metrics: dict[str, float] = {}
-        self.trained_tokens = 0
+        self.trained_tokens = 0  # over all ranks; this rank's tokens since the last sum wait in _tokens_pending
+        self._tokens_pending: Optional[torch.Tensor] = None  # on the device: no host sync per step
+        self._rank_seeded = False
+        self._prompts_from_batches = False
         # Seconds spent training (optimizer steps, data, periodic resume checkpoints), validation excluded, summed
         # over resumes: the wall-clock axis on which drafters are compared at equal compute.
         self.train_seconds = 0.0
@@ -335,6 +338,16 @@ class DrafterModule(L.LightningModule):
             self.use_store(data.store_meta)
         if self.train_vocab_size and self.train_rows is None and data is not None and data.train_set is not None:
             self.set_train_vocab(data.vocab_rows() if hasattr(data, "vocab_rows") else data.train_set)
+        world, rank = self.trainer.world_size if self._trainer is not None else 1, self.global_rank
+        if stage == "fit" and world > 1 and not self._rank_seeded:
+            # One random stream per rank (EAGLE-1's feature noise): seed_everything gave every rank the same seed.
+            # The drafter is already built, and DDP starts every rank from rank 0's weights. A resumed run then
+            # restores each rank's own saved stream (on_load_checkpoint runs after setup).
+            torch.manual_seed(torch.initial_seed() + rank)
+            self._rank_seeded = True
+        # DDP broadcasts every parameter and buffer from rank 0 at the start and buffers before every forward;
+        # the frozen verifier is loaded alike on every rank and the buffers are fixed tables: sync the drafter only.
+        self._ddp_params_and_buffers_to_ignore = ddp_ignored_names(self)
 
     def use_store(self, meta: dict) -> None:
         """Check an offline store against this verifier and drafter before training on it."""
@@ -367,7 +380,8 @@ class DrafterModule(L.LightningModule):
     # -- steps ----------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, parts = self.drafter_loss(batch, self.features(batch, greedy=self.needs_greedy(training=True)))
-        self.trained_tokens += int(batch["attention_mask"].sum())
+        tokens = batch["attention_mask"].sum()
+        self._tokens_pending = tokens if self._tokens_pending is None else self._tokens_pending + tokens
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         self.log_dict({f"train/{k}": v for k, v in parts.items()}, batch_size=batch["input_ids"].shape[0])
         return loss
@@ -381,12 +395,30 @@ class DrafterModule(L.LightningModule):
             self.train_seconds += now - self._clock
         self._clock = now
 
+    def sync_trained_tokens(self) -> None:
+        """Add every rank's tokens since the last call to ``trained_tokens`` (a collective: all ranks call it, at
+        validation and checkpoint time, so training steps never wait on the host)."""
+        pending = self._tokens_pending if self._tokens_pending is not None else torch.zeros((), dtype=torch.long,
+                                                                                           device=self.device)
+        if self._trainer is not None:
+            pending = self.trainer.strategy.reduce(pending, reduce_op="sum")
+        self.trained_tokens += int(pending)
+        self._tokens_pending = None
+
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
+        self.sync_trained_tokens()
+        data = getattr(self.trainer, "datamodule", None)
+        self._prompts_from_batches = data is None or getattr(data, "val_set", None) is None
+        if len(self._measure_ids) < self.measure_prompts and not self._prompts_from_batches:
+            self._measure_ids = measure_prompts_from(data.val_set, self.measure_prompts)
+
+    def on_train_end(self) -> None:
+        self.sync_trained_tokens()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        if len(self._measure_ids) < self.measure_prompts:
-            self._collect_prompts(batch)
+        if len(self._measure_ids) < self.measure_prompts and self._prompts_from_batches:
+            self._collect_prompts(batch)  # bare dataloaders, no datamodule: this rank's first rows
         for key, value in self.validation_counts(batch, self.features(batch)).items():
             value = value.detach().double()
             self._val_sums[key] = self._val_sums[key] + value if key in self._val_sums else value
@@ -412,16 +444,11 @@ class DrafterModule(L.LightningModule):
 
     # -- measured tau: the real speculative loop on a few fixed prompts ------------------------------------------
     def _collect_prompts(self, batch: dict) -> None:
-        """Keep the first validation rows' prompts: the tokens before their first target (the same rows at every
-        validation, since validation batches come in a fixed order)."""
-        target = (batch["loss_mask"] * batch["attention_mask"]).bool()
-        for ids, row, valid in zip(batch["input_ids"], target, batch["attention_mask"].bool()):
-            ids = ids[valid]
-            first = int(row[valid].int().argmax()) if bool(row.any()) else 0
-            if first < 2:  # text data (every token a target): the row's first half, at most 64 tokens, as prompt
-                first = min(64, ids.shape[0] // 2)
-            if first >= 2 and len(self._measure_ids) < self.measure_prompts:
-                self._measure_ids.append(ids[:first].tolist())
+        """The prompts of a validation batch's rows (:func:`row_prompt`), up to ``measure_prompts``."""
+        for ids, loss, valid in zip(batch["input_ids"], batch["loss_mask"], batch["attention_mask"].bool()):
+            prompt = row_prompt(ids[valid], loss[valid])
+            if prompt is not None and len(self._measure_ids) < self.measure_prompts:
+                self._measure_ids.append(prompt)
 
     def eval_drafter(self, drafter: torch.nn.Module, k: int):
         """The evaluator's chain drafter over ``drafter`` (a copy in the verifier's dtype)."""
@@ -441,13 +468,16 @@ class DrafterModule(L.LightningModule):
         longest = max(len(p) for p in self._measure_ids)
         runner = StaticCausalLM(self.verifier, max_len=longest + self.measure_new_tokens + self.measure_k + 2,
                                 device=param.device)
-        emitted = rounds = first = 0
+        counts = torch.zeros(3, dtype=torch.long)  # emitted, rounds, rounds with the first draft accepted
         generator = torch.Generator(device=param.device).manual_seed(0)  # the training RNG streams stay untouched
-        for prompt in self._measure_ids:
+        world = self.trainer.world_size if self._trainer is not None else 1
+        for prompt in self._measure_ids[self.global_rank::world]:  # each rank its share, pooled below
             out = generate(runner, chain, prompt, self.measure_new_tokens, generator=generator)
-            emitted += sum(out.emitted_per_round)
-            rounds += len(out.accept_lengths)
-            first += sum(a >= 1 for a in out.accept_lengths)
+            counts += torch.tensor([sum(out.emitted_per_round), len(out.accept_lengths),
+                                    sum(a >= 1 for a in out.accept_lengths)])
+        if world > 1:
+            counts = self.trainer.strategy.reduce(counts.to(self.device), reduce_op="sum").cpu()
+        emitted, rounds, first = counts.tolist()
         return {"tau_measured": emitted / max(rounds, 1), "alpha1_measured": first / max(rounds, 1)}
 
     # -- optimizer ------------------------------------------------------------------------------------------------
@@ -485,13 +515,20 @@ class DrafterModule(L.LightningModule):
 
     # -- checkpoints: trainable weights + resume state, never the verifier ----------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self.sync_trained_tokens()  # every rank saves (Lightning writes on rank 0 only)
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(VERIFIER_PREFIX)}
         checkpoint["spectrain"] = {"verifier": self.verifier_name, "method": self.method_name,
                                    "trained_tokens": self.trained_tokens, "train_seconds": self.train_seconds,
                                    "curve": self.curve}
-        # The RNG streams the loss draws from (EAGLE-1's feature noise), so a resumed run draws the same numbers.
-        checkpoint["rng"] = {"torch": torch.get_rng_state(),
-                             **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})}
+        # The RNG streams the loss draws from (EAGLE-1's feature noise), so a resumed run draws the same numbers:
+        # every rank's own (CPU, and its own device's on CUDA), gathered into rank 0's checkpoint.
+        mine = {"torch": torch.get_rng_state(),
+                **({"cuda": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {})}
+        world = self.trainer.world_size if self._trainer is not None else 1
+        ranks = [mine] * world
+        if world > 1:
+            torch.distributed.all_gather_object(ranks, mine)
+        checkpoint["rng"] = {"ranks": ranks}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("spectrain", {})
@@ -503,18 +540,58 @@ class DrafterModule(L.LightningModule):
         self.trained_tokens = int(saved.get("trained_tokens", 0))
         self.train_seconds = float(saved.get("train_seconds", 0.0))
         self.curve = list(saved.get("curve", []))
-        rng = checkpoint.get("rng") or {}
-        if "torch" in rng:
-            torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        self._tokens_pending = None
+        self.restore_rng(checkpoint.get("rng") or {})
+
+    def restore_rng(self, rng: dict) -> None:
+        """This rank's saved streams; a run resumed on another number of ranks keeps its fresh per-rank seeds."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        ranks = rng.get("ranks") or ([{"torch": rng["torch"]}] if "torch" in rng else [])  # older: rank 0's only
+        if len(ranks) != world:
+            return
+        mine = ranks[self.global_rank]
+        torch.set_rng_state(mine["torch"])
+        if "cuda" in mine and self.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda"], self.device)
 
     def drafter_state_from_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
         """The drafter's weights from a Lightning checkpoint of this module (loaded with weights_only)."""
-        state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
         return {k[len("drafter."):]: v for k, v in state.items() if k.startswith("drafter.")}
 
     method_name = "drafter"
+
+
+def ddp_ignored_names(module: torch.nn.Module) -> list[str]:
+    """Names DDP must neither broadcast nor sync: the frozen verifier's parameters and every buffer."""
+    frozen = [n for n, _ in module.named_parameters() if n.startswith(VERIFIER_PREFIX)]
+    return frozen + [n for n, _ in module.named_buffers()]
+
+
+def row_prompt(ids: torch.Tensor, loss_mask: torch.Tensor) -> Optional[list[int]]:
+    """A validation row's prompt for measured tau: the tokens before its first target; for text (every token a
+    target) the row's first half, at most 64 tokens. ``None`` when that leaves fewer than 2 tokens."""
+    target = loss_mask.bool()
+    first = int(target.int().argmax()) if bool(target.any()) else 0
+    if first < 2:
+        first = min(64, ids.shape[0] // 2)
+    return ids[:first].tolist() if first >= 2 else None
+
+
+def measure_prompts_from(val_set, n: int) -> list[list[int]]:
+    """The first ``n`` prompts of the validation set in its own order — the same on every rank and for any number
+    of ranks (each rank then decodes its share of them)."""
+    prompts: list[list[int]] = []
+    rows = (val_set[i] for i in range(len(val_set))) if hasattr(val_set, "__getitem__") else iter(val_set)
+    for row in rows:
+        ids = torch.as_tensor(row["input_ids"])
+        loss = torch.as_tensor(row["loss_mask"]) if "loss_mask" in row else torch.ones_like(ids)
+        prompt = row_prompt(ids, loss)
+        if prompt is not None:
+            prompts.append(prompt)
+        if len(prompts) == n:
+            break
+    return prompts
 
 
 def token_counts(rows, vocab_size: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from spectrain.heads.precision import precision_dtype, training_precision
 from spectrain.heads.report import finish, format_table
 
 from .base import DrafterModule
-from .strategies import register_strategies
+from .strategies import mmap_checkpoint_io, register_strategies
 
 register_strategies()
 
@@ -144,6 +144,8 @@ class SpectrainCLI(LightningCLI):
         callbacks = list(trainer_cfg.get("callbacks") or []) + [self.checkpoint, self.resume_checkpoint]
         kwargs.update(default_root_dir=str(self.run_dir), callbacks=callbacks, logger=self._logger(cfg),
                       use_distributed_sampler=False)  # the training loader shards itself over ranks
+        if not trainer_cfg.get("plugins"):  # resume memory-maps the checkpoint (a user's own plugins win)
+            kwargs["plugins"] = [mmap_checkpoint_io()]
         return super().instantiate_trainer(**kwargs)
 
     def _logger(self, cfg):
@@ -297,7 +299,7 @@ def _checkpoint_progress(path: Path) -> tuple[int, float | None]:
     """(global step, training seconds Lightning's Timer had counted, or None without one) of a Lightning
     checkpoint; a clear error if the file is damaged."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # truncated zip, pickle of foreign classes, ...
         raise SpectrainError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); delete it or pass "
                              "--force to start over") from None

@@ -118,11 +118,12 @@ def projected_cross_entropy(
             peak memory one chunk); ``False`` projects all rows at once and keeps the logits (no recompute:
             about a third less work), for when :func:`logits_bytes` fits the memory budget.
     Returns:
-        scalar mean loss (0 with a graph when N == 0).
+        scalar mean loss (0 with a graph through ``states`` and ``weight`` when N == 0).
     """
     n = states.shape[0]
-    if n == 0:
-        return states.sum() * 0.0
+    if n == 0:  # a 0-row projection costs nothing and keeps ``weight`` in the graph: DDP needs every trainable
+        # parameter to take part in every step (a head or TTT step without targets in this rank's batch)
+        return F.linear(states.to(weight.dtype), weight, bias).sum() * 0.0
     given = sum(x is not None for x in (target_ids, teacher_states, sparse_ids))
     if given != 1 or (sparse_ids is None) != (sparse_probs is None):
         raise ValueError("give exactly one of target_ids, teacher_states or sparse_ids (with sparse_probs)")

@@ -60,3 +60,22 @@ def register_strategies() -> None:
     if "fsdp_drafter" not in StrategyRegistry:
         StrategyRegistry.register("fsdp_drafter", FSDPStrategy, description="FSDP: verifier layers and the drafter "
                                   "in separate units (spectrain.train.strategies)", auto_wrap_policy=drafter_wrap_policy)
+
+
+def mmap_checkpoint_io():
+    """Lightning's checkpoint IO, but a local checkpoint is memory-mapped when a run resumes: the drafter's
+    weights and Adam moments are paged in as they are restored instead of read whole into host memory first (on
+    every rank)."""
+    from pathlib import Path
+
+    import torch
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class MmapCheckpointIO(TorchCheckpointIO):
+        def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None):
+            if not (isinstance(path, (str, Path)) and Path(path).is_file()):  # remote, or missing: Lightning's path
+                return super().load_checkpoint(path, map_location, weights_only)
+            return torch.load(path, map_location=map_location, mmap=True,
+                              weights_only=True if weights_only is None else weights_only)
+
+    return MmapCheckpointIO()
