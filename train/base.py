@@ -10,6 +10,7 @@ subclass provides ``build_drafter``, ``drafter_loss``, ``validation_counts``, ``
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from typing import Literal, Optional
@@ -25,24 +26,29 @@ from spectrain.heads.precision import cast_module, resolve_dtype
 from spectrain.heads.verifier import load_verifier, max_context, verifier_features
 
 from .losses import default_memory_budget, logits_bytes, projected_topk, sparse_teacher
+from .strategies import (clean_name, decay_names, drafter_class, full_state_dict, inside_forward, is_sharded,
+                         unwrapped)
 
 VERIFIER_PREFIX = "verifier."
 # The frozen verifier stays in eval mode on purpose; Lightning would warn about it on every fit.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
 
 
-def build_optimizer(drafter: torch.nn.Module, lr: float, weight_decay: float,
-                    loss_scaling: bool = False, no_decay: tuple[torch.Tensor, ...] = ()) -> torch.optim.AdamW:
+def build_optimizer(drafter: torch.nn.Module, lr: float, weight_decay: float, loss_scaling: bool = False,
+                    no_decay: tuple[torch.Tensor, ...] = (), decaying: Optional[set[str]] = None) -> torch.optim.AdamW:
     """AdamW over the drafter's trainable weights (no decay on biases and norms).
 
     Fused where possible: the unfused CPU AdamW allocates W-sized temporaries per parameter, which is the peak
     of the whole step for per-head lm_heads over a large vocabulary (see train/bench_memory.py); fused is faster too.
     Not fused under fp16 loss scaling (``loss_scaling``): a fused AdamW unscales inside its step, after
     clipping would have seen the scaled gradients. ``no_decay``: further weights kept out of weight decay.
+    ``decaying``: names of the weights that decay (:func:`~.strategies.decay_names`, taken before a sharding
+    wrapper flattened them); default: every matrix.
     """
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    named = [(clean_name(n), p) for n, p in drafter.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     excluded = {id(p) for p in no_decay}
-    decays = [p.ndim >= 2 and id(p) not in excluded for p in params]
+    decays = [(n in decaying if decaying is not None else p.ndim >= 2) and id(p) not in excluded for n, p in named]
     groups = [{"params": [p for p, d in zip(params, decays) if d], "weight_decay": weight_decay},
               {"params": [p for p, d in zip(params, decays) if not d], "weight_decay": 0.0}]
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params) and not loss_scaling
@@ -135,6 +141,7 @@ class DrafterModule(L.LightningModule):
         self.verifier = loaded.model
         self.tokenizer = loaded.tokenizer
         self.drafter = self.build_drafter()
+        self._decaying = decay_names(self.drafter)  # before any strategy wraps (and flattens) it
         vocab = self.verifier_lm_head.weight.shape[0]
         if train_vocab_size is not None and train_vocab_size > vocab:
             raise SpectrainError(f"model.train_vocab_size {train_vocab_size} exceeds the verifier's vocabulary of {vocab}")
@@ -378,8 +385,14 @@ class DrafterModule(L.LightningModule):
         self._frozen_rows = {}  # cached row subsets are not moved by .to()/.cpu(): never keep one past a stage
 
     # -- steps ----------------------------------------------------------------------------------------------------
+    def step_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The verifier's features, then the drafter's loss run as the drafter's forward (:func:`inside_forward`:
+        under FSDP its weights are whole only there)."""
+        features = self.features(batch, greedy=self.needs_greedy(training=True))
+        return inside_forward(self.drafter, lambda: self.drafter_loss(batch, features))
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss, parts = self.drafter_loss(batch, self.features(batch, greedy=self.needs_greedy(training=True)))
+        loss, parts = self.step_loss(batch)
         tokens = batch["attention_mask"].sum()
         self._tokens_pending = tokens if self._tokens_pending is None else self._tokens_pending + tokens
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
@@ -394,6 +407,19 @@ class DrafterModule(L.LightningModule):
         if self._clock is not None:
             self.train_seconds += now - self._clock
         self._clock = now
+
+    def plain_drafter(self) -> torch.nn.Module:
+        """A copy of the drafter as a plain module with its whole weights, for decoding and export. Under FSDP
+        the weights are gathered from the shards (a collective: every rank calls it) into a drafter built from
+        its config, not from the (sharded) verifier."""
+        if not is_sharded(self.drafter):
+            return copy.deepcopy(self.drafter)
+        state = full_state_dict(self.drafter)
+        inner = unwrapped(self.drafter)
+        with torch.random.fork_rng(devices=[]):  # a fresh module draws its init: leave the training streams alone
+            drafter = drafter_class(inner)(inner.config)
+        drafter.load_state_dict(state)
+        return drafter
 
     def sync_trained_tokens(self) -> None:
         """Add every rank's tokens since the last call to ``trained_tokens`` (a collective: all ranks call it, at
@@ -419,7 +445,8 @@ class DrafterModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         if len(self._measure_ids) < self.measure_prompts and self._prompts_from_batches:
             self._collect_prompts(batch)  # bare dataloaders, no datamodule: this rank's first rows
-        for key, value in self.validation_counts(batch, self.features(batch)).items():
+        features = self.features(batch)
+        for key, value in inside_forward(self.drafter, lambda: self.validation_counts(batch, features)).items():
             value = value.detach().double()
             self._val_sums[key] = self._val_sums[key] + value if key in self._val_sums else value
 
@@ -457,13 +484,11 @@ class DrafterModule(L.LightningModule):
     @torch.no_grad()
     def measured_tau(self) -> dict[str, float]:
         """tau (tokens per verifier forward, bonus included, pooled) and alpha_1 of the lossless loop, T = 0."""
-        import copy
-
         from spectrain.eval.decode import generate
         from spectrain.eval.static_model import StaticCausalLM
 
         param = self.verifier_lm_head.weight
-        drafter = copy.deepcopy(self.drafter).to(param.device, param.dtype).eval()
+        drafter = self.plain_drafter().to(param.device, param.dtype).eval()
         chain = self.eval_drafter(drafter, self.measure_k)
         longest = max(len(p) for p in self._measure_ids)
         runner = StaticCausalLM(self.verifier, max_len=longest + self.measure_new_tokens + self.measure_k + 2,
@@ -484,7 +509,7 @@ class DrafterModule(L.LightningModule):
     def configure_optimizers(self):
         scaling = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
         optimizer = build_optimizer(self.drafter, self.lr, self.weight_decay, loss_scaling=scaling,
-                                    no_decay=self.no_decay_params())
+                                    no_decay=self.no_decay_params(), decaying=self._decaying)
         estimated = self.trainer.estimated_stepping_batches
         if estimated == float("inf"):
             raise SpectrainError("the cosine learning-rate schedule needs a finite length: set --trainer.max_steps (or "
@@ -504,9 +529,13 @@ class DrafterModule(L.LightningModule):
         if not gradient_clip_val:
             return
         plugin = self.trainer.precision_plugin
-        sharded = "fsdp" in type(self.trainer.strategy).__name__.lower()
-        if getattr(plugin, "scaler", None) is not None or sharded:
+        if getattr(plugin, "scaler", None) is not None:
             return self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        root = self.trainer.strategy.model
+        if is_sharded(self.drafter) and gradient_clip_algorithm != "value" and hasattr(root, "clip_grad_norm_"):
+            # FSDP1: the norm over every rank's shards (a collective on the root); Lightning's FSDP precision
+            # plugin refuses norm clipping. FSDP2's DTensor gradients take the plain call below.
+            return root.clip_grad_norm_(gradient_clip_val)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)

@@ -182,9 +182,10 @@ def train(model_class: type[DrafterModule], default_config: str, args=None) -> P
     if best:
         model.drafter.load_state_dict(model.drafter_state_from_checkpoint(best))
     trainer.validate(model, datamodule=data, verbose=False)
+    drafter = model.plain_drafter()  # on every rank: under FSDP gathering the shards is a collective
     if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the export and the summary
         return run_dir / "summary.json"
-    model.export(run_dir, extra={"trained_steps": trainer.global_step})
+    model.export(run_dir, drafter, extra={"trained_steps": trainer.global_step})
     close_loggers(trainer)
     summary = build_summary(cli, best, fit_seconds, time.time() - t0)
     return finish(summary, run_dir / "summary.json", tables=summary_tables(summary))

@@ -13,6 +13,7 @@ from spectrain.heads.errors import SpectrainError
 
 from .base import DrafterModule, token_counts
 from .losses import projected_cross_entropy, projected_topk
+from .strategies import unwrapped
 
 
 class EagleModule(DrafterModule):
@@ -130,7 +131,8 @@ class EagleModule(DrafterModule):
         ids, feats = self._inputs(batch, features)
         if self.variant == "eagle1":
             noisy = feats + self.feature_noise * (torch.rand_like(feats) - 0.5)
-            out, _ = self.drafter(ids, noisy, self.embed)  # g_t predicts f_{t+1}
+            # g_t predicts f_{t+1}; the loss already runs as the drafter's forward (DrafterModule.step_loss)
+            out, _ = unwrapped(self.drafter).forward(ids, noisy, self.embed)
             rows = target_mask[:, 2:].reshape(-1).nonzero().squeeze(1)  # q_{t+1} predicts token t+2
             pred = out[:, :T - 2].reshape(-1, out.shape[-1])[rows]
             true = hidden[:, 1:T - 1].reshape(-1, hidden.shape[-1])[rows].float()
@@ -220,7 +222,6 @@ class EagleModule(DrafterModule):
         return (["draft step", "top1 vs verifier"],
                 [[i + 1, metrics.get(f"step{i + 1}_top1_ver")] for i in range(self.val_steps)])
 
-    def export(self, out_dir: str | Path, state: dict | None = None, extra: dict | None = None) -> Path:
-        if state is not None:
-            self.drafter.load_state_dict(state)
-        return self.drafter.save_pretrained(out_dir)
+    def export(self, out_dir: str | Path, drafter: EagleDrafter, extra: dict | None = None) -> Path:
+        """Write ``drafter`` (:meth:`plain_drafter`) in our format (``extra`` is Medusa's; EAGLE's config says it)."""
+        return drafter.save_pretrained(out_dir)

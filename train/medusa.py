@@ -169,8 +169,6 @@ class MedusaModule(DrafterModule):
         return (["head", "top1 vs verifier", "top5 vs verifier", "top1 vs data", "top5 vs data"],
                 [[k + 1, *(metrics.get(f"head{k + 1}_{n}") for n in names)] for k in range(self.num_heads)])
 
-    def export(self, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None, extra: dict | None = None) -> Path:
-        """Write the heads (optionally with ``state`` loaded, e.g. the best checkpoint) in our format."""
-        heads = self.build_drafter()
-        heads.load_state_dict(state if state is not None else self.drafter.state_dict())
-        return heads.save_pretrained(out_dir, extra=extra)
+    def export(self, out_dir: str | Path, drafter: MedusaHeads, extra: dict | None = None) -> Path:
+        """Write ``drafter`` (:meth:`plain_drafter`) in our format."""
+        return drafter.save_pretrained(out_dir, extra=extra)

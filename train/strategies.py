@@ -16,6 +16,8 @@ the rank from the launcher's environment).
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from torch import nn
 
 
@@ -53,13 +55,98 @@ def fsdp_units(root: nn.Module) -> list[nn.Module]:
     return units
 
 
+def inside_forward(module: nn.Module, fn: Callable[[], Any]) -> Any:
+    """``fn()`` run as ``module``'s forward: through ``module(...)``, so the hooks a sharding wrapper puts around
+    forward run around it.
+
+    Training calls drafter methods other than ``forward`` (Medusa's ``head_states``, EAGLE's ``ttt_hidden``,
+    the lm_head weights directly). Under FSDP the drafter's parameters exist whole only between its forward
+    pre- and post-hooks (elsewhere they are flat shards), and only a forward's outputs get the hook that gathers
+    them again for backward. So the whole loss runs as one forward of the drafter. Works for torch's FSDP1
+    wrapper (its inner module's forward is the one swapped) and FSDP2 (``fully_shard``: hooks on the module).
+    """
+    inner = unwrapped(module)
+
+    def run(*args, **kwargs):
+        del inner.forward  # the real forward again, for ``fn``'s own calls (through ``unwrapped(module).forward``)
+        return fn()
+
+    inner.forward = run  # an instance attribute shadows the class's forward
+    try:
+        return module()
+    finally:
+        inner.__dict__.pop("forward", None)
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module inside torch's FSDP1 wrapper (itself otherwise). Code already running inside the drafter's
+    forward (:func:`inside_forward`) calls ``unwrapped(drafter).forward(...)``: no second round of hooks."""
+    return getattr(module, "_fsdp_wrapped_module", module)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Wrapped by torch's FSDP1, or sharded by FSDP2 (``fully_shard``: DTensor parameters)."""
+    return hasattr(module, "_fsdp_wrapped_module") or any(hasattr(p, "full_tensor") for p in module.parameters())
+
+
+def drafter_class(module: nn.Module) -> type:
+    """The drafter's own class (FSDP2 swaps in a subclass of it; FSDP1 wraps it: pass the inner module)."""
+    from spectrain.heads.eagle import EagleDrafter
+    from spectrain.heads.medusa import MedusaHeads
+
+    return next(c for c in type(module).__mro__ if c in (MedusaHeads, EagleDrafter))
+
+
+def decay_names(drafter: nn.Module) -> set[str]:
+    """Names of the drafter's weights that decay (matrices), taken before any sharding wrapper flattens them
+    (FSDP's views of a shard are 1-D, so ``ndim`` read after wrapping would turn weight decay off)."""
+    return {name for name, p in drafter.named_parameters() if p.ndim >= 2}
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the prefixes FSDP and activation checkpointing insert."""
+    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def full_state_dict(module: nn.Module) -> dict:
+    """``module``'s whole state dict on every rank: gathered from the shards under FSDP (a collective: every rank
+    must call it), as it is otherwise."""
+    try:
+        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+    except ImportError:  # torch without distributed
+        return module.state_dict()
+    if isinstance(module, FullyShardedDataParallel):
+        config = FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
+        with FullyShardedDataParallel.state_dict_type(module, StateDictType.FULL_STATE_DICT, config):
+            return {clean_name(k): v for k, v in module.state_dict().items()}
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
+
+
 def register_strategies() -> None:
     """Make ``fsdp_drafter`` a strategy name Lightning (and so the CLI) understands."""
     from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
 
+    class DrafterFSDPStrategy(FSDPStrategy):
+        """Lightning's FSDP with mixed precision that casts neither buffers nor gradient reductions: Lightning's
+        bf16-mixed sets ``buffer_dtype=bf16``, which rounds the verifier's fp32 RoPE tables (``inv_freq``: phase
+        errors up to ~0.7 rad at position 512) and averages gradients in bf16."""
+
+        @property
+        def mixed_precision_config(self):
+            import torch
+            from torch.distributed.fsdp import MixedPrecision
+
+            config = super().mixed_precision_config
+            if config is None or self.mixed_precision:  # the user's own config wins
+                return config
+            return MixedPrecision(param_dtype=config.param_dtype, reduce_dtype=torch.float32, buffer_dtype=None)
+
     if "fsdp_drafter" not in StrategyRegistry:
-        StrategyRegistry.register("fsdp_drafter", FSDPStrategy, description="FSDP: verifier layers and the drafter "
-                                  "in separate units (spectrain.train.strategies)", auto_wrap_policy=drafter_wrap_policy)
+        StrategyRegistry.register("fsdp_drafter", DrafterFSDPStrategy, description="FSDP: verifier layers and the "
+                                  "drafter in separate units, fp32 buffers and reductions (spectrain.train.strategies)",
+                                  auto_wrap_policy=drafter_wrap_policy)
 
 
 def mmap_checkpoint_io():
