@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .errors import SpectrainError
 from .io import load_tensors, read_json, save_tensors, write_json
@@ -221,6 +222,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class EagleAttention(nn.Module):
     """Llama attention (no biases, GQA) over this call's keys plus optional cached ones."""
 
+    recompute_ttt = True  # TTT steps >= 1 recompute their scores in backward instead of keeping them
+
     def __init__(self, in_width: int, config: EagleConfig):
         super().__init__()
         d = config.head_dim
@@ -266,18 +269,40 @@ class EagleAttention(nn.Module):
         k = apply_rotary(self._heads(self.k_proj, x), cos, sin)
         v = self._heads(self.v_proj, x)
         (k0, v0), later = ttt_cache[0], ttt_cache[1:] + [(k, v)]
-        B, heads, T, d = q.shape
-        groups = heads // k0.shape[1]
-        qg = q.view(B, k0.shape[1], groups, T, d)  # query head j reads kv head j // groups (SDPA's GQA layout)
-        scale = d ** -0.5
-        causal = torch.matmul(qg, k0[:, :, None].transpose(-1, -2)) * scale  # (B, kv, g, T, T)
-        causal = causal.masked_fill(~causal_mask(T, T, x.device), float("-inf"))
-        own = torch.stack([(qg * kj[:, :, None]).sum(-1) for kj, _ in later], -1) * scale  # (B, kv, g, T, steps)
-        probs = torch.cat((causal, own), -1).softmax(-1, dtype=torch.float32).to(q.dtype)
-        own_values = torch.stack([vj for _, vj in later], -2)[:, :, None]  # (B, kv, 1, T, steps, d)
-        out = torch.matmul(probs[..., :T], v0[:, :, None]) + (probs[..., T:, None] * own_values).sum(-2)
-        out = out.reshape(B, heads, T, d)
+        own_keys = torch.stack([kj for kj, _ in later], -2)  # (B, kv, T, steps, d)
+        own_values = torch.stack([vj for _, vj in later], -2)
+        if self.recompute_ttt and torch.is_grad_enabled():
+            # The (T, T) scores, their masked copy and fp32 probabilities of every step would otherwise be kept
+            # for backward (~6 * heads * T^2 bytes per sequence and step); recomputing them costs one more
+            # score pass (docs/benchmarks.md: EAGLE TTT attention).
+            out = checkpoint(ttt_attention, q, k0, v0, own_keys, own_values, use_reentrant=False)
+        else:
+            out = ttt_attention(q, k0, v0, own_keys, own_values)
+        B, T = x.shape[0], x.shape[1]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, own_keys: torch.Tensor,
+                  own_values: torch.Tensor) -> torch.Tensor:
+    """Attention of a TTT step >= 1 (:meth:`EagleAttention.forward_ttt`): query t over the step-0 keys at
+    positions <= t and each later step's key at position t, softmaxed together.
+
+    Args:
+        q: (B, heads, T, d) queries; k0, v0: (B, kv_heads, T, d) step 0's keys and values;
+        own_keys, own_values: (B, kv_heads, T, steps, d) each later step's key / value at every position.
+    Returns:
+        (B, heads, T, d).
+    """
+    B, heads, T, d = q.shape
+    kv = k0.shape[1]
+    qg = q.view(B, kv, heads // kv, T, d)  # query head j reads kv head j // groups (SDPA's GQA layout)
+    scale = d ** -0.5
+    causal = torch.matmul(qg, k0[:, :, None].transpose(-1, -2)) * scale  # (B, kv, g, T, T)
+    causal = causal.masked_fill(~causal_mask(T, T, q.device), float("-inf"))
+    own = torch.matmul(own_keys[:, :, None], qg[..., None]).squeeze(-1) * scale  # (B, kv, g, T, steps)
+    probs = torch.cat((causal, own), -1).softmax(-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs[..., :T], v0[:, :, None]) + (probs[..., T:, None] * own_values[:, :, None]).sum(-2)
+    return out.reshape(B, heads, T, d)
 
 
 class SwiGLU(nn.Module):

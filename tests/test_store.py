@@ -104,16 +104,28 @@ def test_bad_stores_are_refused(setup, verifier_factory, tmp_path):
                 log=lambda *_: None)
 
 
-def test_train_eagle_from_the_store(setup, tmp_path):
+@pytest.mark.parametrize("config,extra", [
+    ("medusa_tinyshakespeare.yaml", ["--model.num_heads", "2"]),
+    ("eagle1_tinyshakespeare.yaml", []),
+    ("eagle3_tinyshakespeare.yaml", ["--model.aux_layer_ids", "[1, 2, 3]", "--model.draft_vocab_size", "64"]),
+])
+def test_train_from_the_store_in_bf16_mixed_with_clipping(setup, tmp_path, config, extra):
+    """What a GPU run does by default (bf16-mixed, fused AdamW, clipping), from stored features, per method."""
     from spectrain.train.cli import module_for_config, train
+    from tests.test_precision_and_vocab import GradNormProbe
 
     verifier_dir, _, store = setup
-    path = train(module_for_config("eagle3_x.yaml"), "eagle3_tinyshakespeare.yaml",
-                 args=["--model.verifier", str(verifier_dir), "--model.aux_layer_ids", "[1, 2, 3]", "--data.path",
-                       str(store), "--data.batch_size", "4", "--trainer.max_steps", "3", "--trainer.val_check_interval",
-                       "3", "--run_dir", str(tmp_path / "run"), "--logger", "none"])
+    clip = 1e-3  # below the raw gradient norm: clipping must act
+    GradNormProbe.norms = []
+    path = train(module_for_config(config), config,
+                 args=["--model.verifier", str(verifier_dir), "--data.path", str(store), "--data.batch_size", "4",
+                       "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.precision",
+                       "bf16-mixed", "--trainer.gradient_clip_val", str(clip),
+                       "--trainer.callbacks+=tests.test_precision_and_vocab.GradNormProbe",
+                       "--run_dir", str(tmp_path / "run"), "--logger", "none", *extra])
     summary = json.loads(path.read_text())
-    assert summary["data_format"] == "store" and summary["steps"] == 3
+    assert summary["data_format"] == "store" and summary["steps"] == 3 and summary["tau_pred"] is not None
+    assert len(GradNormProbe.norms) >= 2 and max(GradNormProbe.norms) <= clip * 1.01
 
 
 def test_data_parallel_extraction_equals_one_process(setup, tmp_path):
