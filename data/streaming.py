@@ -70,14 +70,22 @@ class RowStream(IterableDataset):
             raise SpectrainError(f"streaming needs val_fraction <= 0.5, got 1/{val_every}")
         self.rows, self.to_samples, self.split, self.val_every = rows, to_samples, split, val_every
 
-    def _mine(self) -> Iterator:
+    def _mine(self, rank: int = 0, world: int = 1) -> Iterator:
+        """This split's raw rows; of those, rows rank, rank + world, ... (one data-parallel rank's share)."""
         held_out = self.split == "validation"
+        kept = 0
         for i, row in enumerate(self.rows()):
             if (i % self.val_every == self.val_every - 1) == held_out:
-                yield row
+                if kept % world == rank:
+                    yield row
+                kept += 1
 
     def __iter__(self) -> Iterator[dict]:
         return self.to_samples(self._mine())
+
+    def shard(self, rank: int, world: int) -> Iterator[dict]:
+        """Samples from this rank's share of the rows only: each rank tokenizes and packs its own rows."""
+        return self.to_samples(self._mine(rank, world))
 
 
 def packed_text(tokenizer, block_size: int, separator: int | None = None):
@@ -112,10 +120,12 @@ def chat_samples(tokenizer, block_size: int):
 class StreamingLoader:
     """Training batches from a :class:`RowStream`: shuffled in a bounded buffer, sharded, resumable.
 
-    Pass p over the stream shuffles with seed ``seed + p`` inside a buffer of ``shuffle_buffer`` samples
-    (memory stays bounded); global batch b goes to rank ``b % world``. ``position()`` (batches already
-    trained on, per rank) is read when iteration starts, and that many of this rank's batches are skipped.
-    The stream is cycled, so training length is set by ``max_steps``.
+    Each data-parallel rank reads, tokenizes and packs only its own rows (raw rows rank, rank + world, ... of
+    the split: :meth:`RowStream.shard`), so no rank does another's work. Pass p over a rank's share shuffles
+    with seed ``seed + p`` inside a buffer of ``shuffle_buffer`` samples (memory stays bounded).
+    ``position()`` (batches already trained on, per rank) is read when iteration starts, and that many of this
+    rank's batches are skipped. Each rank cycles its share, so training length is set by ``max_steps`` and
+    ranks never run out of batches at different times.
     """
 
     def __init__(self, stream: RowStream, batch_size: int, collate_fn: Callable, seed: int = 0,
@@ -135,17 +145,17 @@ class StreamingLoader:
     def _batches(self) -> Iterator[list[dict]]:
         rank, world = rank_and_world()
         for epoch in itertools.count():
-            samples = self._shuffled(iter(self.stream), random.Random(self.seed + epoch))
+            samples = self._shuffled(self.stream.shard(rank, world), random.Random(self.seed + epoch))
             produced = 0
             while True:
-                rows = list(itertools.islice(samples, self.batch_size * world))
-                if len(rows) < self.batch_size * world:
-                    break  # drop the last partial global batch, as the in-memory loader does
+                rows = list(itertools.islice(samples, self.batch_size))
+                if len(rows) < self.batch_size:
+                    break  # drop the last partial batch, as the in-memory loader does
                 produced += 1
-                yield rows[rank * self.batch_size:(rank + 1) * self.batch_size]
+                yield rows
             if produced == 0:
-                raise SpectrainError("the training stream holds less than one global batch "
-                                     f"({self.batch_size} x {world} ranks samples)")
+                raise SpectrainError(f"rank {rank}'s share of the training stream holds less than one batch "
+                                     f"({self.batch_size} samples from every {world}th row)")
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         batches = itertools.islice(self._batches(), int(self.position()), None)

@@ -223,3 +223,48 @@ def test_fsdp_drafter_keeps_buffers_and_reductions_in_fp32():
     assert config.param_dtype == torch.bfloat16 and config.reduce_dtype == torch.float32
     assert config.buffer_dtype is None
     assert FSDPPrecision("bf16-mixed").mixed_precision_config.buffer_dtype == torch.bfloat16  # what it replaces
+
+
+class _HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the tensor calls that wait for the device: reading values to the host, data-dependent shapes."""
+
+    SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+             torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCS:
+            import traceback
+
+            caller = traceback.extract_stack()[-2]  # ours only: transformers' own mask checks are not counted
+            if any(f"/{part}/" in caller.filename for part in ("train", "heads", "data", "eval")):
+                self.calls.append(f"{getattr(func, '__name__', func)} at {caller.filename.split('/')[-1]}:"
+                                  f"{caller.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle1", "eagle3"])
+def test_a_training_step_waits_on_the_device_once(method, verifier_factory):
+    """On a GPU every host read stalls the step: one row count per step (all heads / TTT steps at once), no
+    per-head ``nonzero``, no token count read back (it stays on the device until validation). Checks inside
+    the verifier's own transformers forward (its attention-mask shortcuts) are not ours and not counted."""
+    from spectrain.train.eagle import EagleModule
+    from spectrain.train.medusa import MedusaModule
+
+    verifier = str(verifier_factory("llama", False))
+    module = (MedusaModule(verifier=verifier, num_heads=3, verifier_dtype="float32") if method == "medusa" else
+              EagleModule(variant="eagle1", verifier=verifier, verifier_dtype="float32") if method == "eagle1" else
+              EagleModule(variant="eagle3", verifier=verifier, verifier_dtype="float32", draft_vocab_size=32))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 24), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    if method == "eagle3":
+        module.set_vocab_from([batch])
+    module.step_loss(batch)  # warm: one-time sizing (the loss memory budget) is not per step
+    with _HostSyncs() as syncs:
+        loss, _ = module.step_loss(batch)
+        loss.backward()
+    assert len(syncs.calls) <= 1, syncs.calls

@@ -117,3 +117,28 @@ def test_hf_dataset_streams_documents_joined_by_eos(tmp_path, verifier_factory):
     blocks = [b["input_ids"] for b in dm.train_set]
     assert blocks and [t for b in blocks for t in b] == expected[:len(blocks) * 16]
     assert sum(b.count(tok.eos_token_id) for b in blocks) >= 10  # documents are separated, not run together
+
+
+def test_each_rank_streams_only_its_own_rows(tmp_path, verifier_factory):
+    """Two ranks read disjoint rows (each tokenizes only its own share) that together are one process's rows."""
+    from spectrain.data.streaming import RowStream
+
+    rows = [f"row {i}" for i in range(20)]
+    seen: dict[int, list] = {}
+
+    def to_samples(rank):
+        def inner(raw):
+            for r in raw:
+                seen.setdefault(rank, []).append(r)  # what this rank had to read and tokenize
+                yield {"input_ids": [int(r.split()[1])]}
+        return inner
+
+    stream = RowStream(lambda: iter(rows), None, "train", val_every=5)
+    shares = []
+    for rank in (0, 1):
+        stream.to_samples = to_samples(rank)
+        shares.append([s["input_ids"][0] for s in stream.shard(rank, 2)])
+    stream.to_samples = to_samples(-1)
+    one = [s["input_ids"][0] for s in stream]
+    assert not set(shares[0]) & set(shares[1]) and sorted(shares[0] + shares[1]) == sorted(one)
+    assert len(seen[0]) == len(seen[1]) == len(one) // 2  # neither rank touched the other's rows

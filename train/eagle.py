@@ -157,7 +157,9 @@ class EagleModule(DrafterModule):
             parts["outside_vocab_frac"] = 1.0 - sum((k.sum() for k in kept), total_rows.new_zeros(())) / total_rows.clamp_min(1)
         else:
             kept = [target_mask[:, 2 + i:] for i in range(len(outs)) if T - 2 - i > 0]
-        steps = [(i, mask.reshape(-1).nonzero().squeeze(1)) for i, mask in enumerate(kept)]
+        counts = torch.stack([mask.sum() for mask in kept]).tolist() if kept else []  # one host sync for all steps
+        steps = [(i, torch.nonzero_static(mask.reshape(-1), size=n).squeeze(1))
+                 for i, (mask, n) in enumerate(zip(kept, counts))]
         recompute = self.recompute_loss(sum(r.numel() for _, r in steps), self.drafter.config.draft_vocab_size)
         total = hidden.new_zeros((), dtype=torch.float32)
         for i, rows in steps:  # step i at t predicts q_{t+1+i}, i.e. token t+2+i

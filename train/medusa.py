@@ -86,8 +86,8 @@ class MedusaModule(DrafterModule):
         T = hidden.shape[1]
         valid = (batch["loss_mask"] * batch["attention_mask"]).bool()
         to_row = self.to_train_row
-        plan = []  # per head: (row index into B*(T-k-2), hard targets mapped to projected rows or None)
-        dropped = kept = 0
+        masks, all_targets = [], []  # per head: rows with a target, and the hard targets (projected) or None
+        dropped = valid.new_zeros((), dtype=torch.long)
         for k in range(self.num_heads):
             mask = valid[:, k + 2:]
             targets = self._head_targets(k, batch, features)
@@ -96,9 +96,14 @@ class MedusaModule(DrafterModule):
                 inside = targets >= 0
                 dropped = dropped + (mask & ~inside).sum()
                 mask = mask & inside
-            rows = mask.reshape(-1).nonzero().squeeze(1)
-            kept = kept + rows.numel()
+            masks.append(mask.reshape(-1))
+            all_targets.append(targets)
+        counts = torch.stack([m.sum() for m in masks]).tolist()  # the step's one host sync: every head's row count
+        plan = []  # per head: (row index into B*(T-k-2), hard targets mapped to projected rows or None)
+        for mask, targets, count in zip(masks, all_targets, counts):
+            rows = torch.nonzero_static(mask, size=count).squeeze(1)
             plan.append((rows, None if targets is None else targets.reshape(-1)[rows]))
+        kept = sum(counts)
         vocab = self.verifier_lm_head.weight.shape[0] if self.train_rows is None else self.train_rows.shape[0]
         recompute = self.recompute_loss(kept, vocab)
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -115,7 +120,7 @@ class MedusaModule(DrafterModule):
             parts[f"head{k + 1}_loss"] = loss.detach()
             total = total + self.loss_decay ** k * loss
         if to_row is not None and self.target != "soft":
-            parts["dropped_frac"] = torch.as_tensor(dropped, dtype=torch.float32) / max(float(dropped + kept), 1.0)
+            parts["dropped_frac"] = dropped.float() / (dropped + kept).clamp_min(1).float()
         return total, parts
 
     @torch.no_grad()
