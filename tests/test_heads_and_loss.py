@@ -71,15 +71,26 @@ def test_reload_rejects_mismatched_weights(tmp_path, verifier_factory):
         MedusaHeads.from_pretrained(tmp_path / "a")
 
 
-@pytest.mark.parametrize("soft", [False, True])
-def test_chunked_loss_gradients_equal_unchunked(soft):
+def _targets(kind: str, n: int, h: int, v: int, dtype=torch.float64) -> dict:
+    if kind == "soft":
+        return {"teacher_states": torch.randn(n, h, dtype=dtype), "teacher_weight": torch.randn(v, h, dtype=dtype)}
+    if kind == "sparse":  # a top-3 teacher, one row teaching nothing, one id missing (-1)
+        ids = torch.randint(0, v, (n, 3))
+        ids[1, 2] = -1
+        probs = torch.rand(n, 3, dtype=dtype).masked_fill(ids < 0, 0)
+        probs[4] = 0
+        return {"sparse_ids": ids, "sparse_probs": probs / probs.sum(-1, keepdim=True).clamp_min(1e-9)}
+    return {"target_ids": torch.randint(0, v, (n,))}
+
+
+@pytest.mark.parametrize("kind", ["hard", "soft", "sparse"])
+def test_chunked_loss_gradients_equal_unchunked(kind):
     torch.manual_seed(0)
     n, h, v = 37, 16, 101
     states = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(v, h, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(v, dtype=torch.float64, requires_grad=True)
-    kwargs = ({"teacher_states": torch.randn(n, h, dtype=torch.float64), "teacher_weight": torch.randn(v, h, dtype=torch.float64)}
-              if soft else {"target_ids": torch.randint(0, v, (n,))})
+    kwargs = _targets(kind, n, h, v)
     results = []
     for chunk in (None, 5, 16, 1000):
         loss = projected_cross_entropy(states, weight, bias, chunk_size=chunk, **kwargs)
@@ -90,6 +101,45 @@ def test_chunked_loss_gradients_equal_unchunked(soft):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["hard", "soft", "sparse"])
+def test_chunked_loss_under_autocast_casts_the_weight_once_per_pass(kind):
+    """Under bf16 autocast (Lightning's runs without a cast cache) the chunked loss casts the fp32 weight once in
+    forward and once in backward — not once per chunk twice — with the gradients of the unchunked path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and \
+                    args[0].data_ptr() == weight.data_ptr():  # a copy of the weight itself
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    n, h, v = 40, 16, 101
+    states = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    kwargs = _targets(kind, n, h, v, torch.float32)
+    if kind == "soft":
+        kwargs["teacher_weight"] = kwargs["teacher_weight"].bfloat16()  # the frozen verifier head, bf16 already
+    results = []
+    for chunk, recompute in ((None, False), (8, True)):
+        with Casts() as casts:
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                loss = projected_cross_entropy(states, weight, chunk_size=chunk, recompute=recompute, **kwargs)
+            grads = torch.autograd.grad(loss, (states, weight))
+        results.append((loss, grads, casts.n))
+    (ref_loss, ref_grads, _), (loss, grads, count) = results
+    assert count == 2  # forward and backward; the old per-chunk checkpoint path cast it 2 x 5 times
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-3)
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == r.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-3)
 
 
 def test_chunked_topk_matches_full():

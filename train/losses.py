@@ -18,7 +18,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # Bytes autograd keeps per logit when a projection is not recomputed: the bf16/fp32 linear output, its fp32 copy
 # and the fp32 log-softmax saved for backward (an upper bound; fp32 projections keep less).
@@ -51,6 +50,114 @@ class _SoftTargetCrossEntropy(torch.autograd.Function):
         logp, probs = ctx.saved_tensors
         grad = torch.exp(logp).mul_(probs.sum(-1, keepdim=True)).sub_(probs).mul_(grad_loss)
         return grad.to(ctx.logits_dtype), None
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a projection by ``weight`` runs in here: autocast's when it is on, else the weight's own."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def _chunk_loss_and_grad(logits, target_ids, teacher_states, teacher_weight, teacher_bias, sparse_ids, sparse_probs,
+                         want_grad: bool):
+    """Summed CE of one chunk's ``logits`` and, with ``want_grad``, d(loss)/d(logits) in fp32. A dense teacher
+    is projected here, per chunk (its (N, V) distribution never exists whole)."""
+    teacher_probs = None
+    if teacher_states is not None:
+        teacher = F.linear(teacher_states.to(teacher_weight.dtype), teacher_weight, teacher_bias)
+        teacher_probs = teacher.softmax(-1, dtype=_fp32(teacher))
+    logp = logits.log_softmax(-1, dtype=_fp32(logits))
+    if target_ids is not None:
+        loss = -logp.gather(-1, target_ids[:, None]).sum()
+        weights = None
+    elif sparse_ids is not None:
+        loss = -(logp.gather(-1, sparse_ids.clamp(min=0)) * sparse_probs).sum()
+        weights = sparse_probs
+    else:
+        loss = -torch.dot(logp.reshape(-1), teacher_probs.to(logp.dtype).reshape(-1))
+        weights = teacher_probs
+    if not want_grad:
+        return loss, None
+    grad = logp.exp_()  # softmax(z) * sum(target weights) - target weights
+    if target_ids is not None:
+        grad[torch.arange(grad.shape[0], device=grad.device), target_ids] -= 1
+    elif sparse_ids is not None:
+        grad.mul_(sparse_probs.sum(-1, keepdim=True).to(grad.dtype))
+        grad.scatter_add_(-1, sparse_ids.clamp(min=0), -sparse_probs.to(grad.dtype))
+    else:
+        grad.mul_(weights.sum(-1, keepdim=True).to(grad.dtype)).sub_(weights.to(grad.dtype))
+    return loss, grad
+
+
+class _ChunkedProjectionCE(torch.autograd.Function):
+    """Summed CE of ``states @ weight.T (+ bias)`` chunk by chunk, logits recomputed in backward.
+
+    What activation checkpointing per chunk did, with the weight cast to the compute dtype once per pass
+    instead of once per chunk in forward and again per chunk in recompute (Lightning's autocast runs without
+    a cast cache: at 128K x 4096 with 4 heads that was ~1.5 TB of memory traffic per step). The weight's and
+    bias's gradients are summed over chunks in fp32, each chunk's product in the compute dtype as before.
+    """
+
+    @staticmethod
+    def forward(ctx, states, weight, bias, target_ids, teacher_states, teacher_weight, teacher_bias, sparse_ids,
+                sparse_probs, chunk_size):
+        dtype = _compute_dtype(weight)
+        with torch.autocast(weight.device.type, enabled=False):
+            w, b, teacher = _cast_once(dtype, weight, bias, teacher_weight, teacher_bias)
+            total = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=states.device)
+            for start in range(0, states.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                logits = F.linear(states[rows].to(dtype), w, b)
+                loss, _ = _chunk_loss_and_grad(logits, *_targets_of(rows, target_ids, teacher_states, teacher,
+                                                                      sparse_ids, sparse_probs), want_grad=False)
+                total += loss.to(total.dtype)
+        ctx.save_for_backward(states, weight, bias, target_ids, teacher_states, teacher_weight, teacher_bias,
+                              sparse_ids, sparse_probs)
+        ctx.dtype, ctx.chunk_size = dtype, chunk_size
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (states, weight, bias, target_ids, teacher_states, teacher_weight, teacher_bias, sparse_ids,
+         sparse_probs) = ctx.saved_tensors
+        dtype = ctx.dtype
+        with torch.autocast(weight.device.type, enabled=False):
+            w, b, teacher = _cast_once(dtype, weight, bias, teacher_weight, teacher_bias)
+            d_states = torch.empty(states.shape, dtype=dtype, device=states.device) if ctx.needs_input_grad[0] else None
+            acc = torch.promote_types(dtype, torch.float32)  # gradients summed over chunks in fp32 (or better)
+            d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+            d_bias = (torch.zeros(bias.shape, dtype=acc, device=bias.device)
+                      if bias is not None and ctx.needs_input_grad[2] else None)
+            for start in range(0, states.shape[0], ctx.chunk_size):
+                rows = slice(start, start + ctx.chunk_size)
+                chunk = states[rows].to(dtype)
+                _, grad = _chunk_loss_and_grad(F.linear(chunk, w, b), *_targets_of(rows, target_ids, teacher_states,
+                                                                                    teacher, sparse_ids, sparse_probs),
+                                               want_grad=True)
+                grad = grad.mul_(grad_loss).to(dtype)
+                if d_states is not None:
+                    d_states[rows] = grad @ w
+                if d_weight is not None:
+                    d_weight += (grad.T @ chunk).to(acc)
+                if d_bias is not None:
+                    d_bias += grad.sum(0).to(acc)
+        return (None if d_states is None else d_states.to(states.dtype),
+                None if d_weight is None else d_weight.to(weight.dtype),
+                None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None, None, None, None)
+
+
+def _cast_once(dtype, weight, bias, teacher_weight, teacher_bias):
+    """The projection (and a dense teacher's) in the compute dtype: one cast per pass, not one per chunk."""
+    def cast(t):
+        return None if t is None else t.to(dtype)
+    return cast(weight), cast(bias), (cast(teacher_weight), cast(teacher_bias))
+
+
+def _targets_of(rows: slice, target_ids, teacher_states, teacher, sparse_ids, sparse_probs):
+    """One chunk's targets, in :func:`_chunk_loss_and_grad`'s argument order."""
+    def pick(t):
+        return None if t is None else t[rows]
+    return pick(target_ids), pick(teacher_states), teacher[0], teacher[1], pick(sparse_ids), pick(sparse_probs)
 
 
 def logits_bytes(rows: int, vocab: int) -> int:
@@ -132,17 +239,8 @@ def projected_cross_entropy(
         n = (sparse_probs.sum(-1) > 0).sum().clamp(min=1)
     if chunk_size is None or not recompute or states.shape[0] <= chunk_size:
         return _chunk_cross_entropy(states, weight, bias, *targets) / n
-    total = states.new_zeros((), dtype=torch.promote_types(states.dtype, torch.float32))
-    for start in range(0, states.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        total = total + checkpoint(
-            _chunk_cross_entropy, states[rows], weight, bias,
-            None if target_ids is None else target_ids[rows],
-            None if teacher_states is None else teacher_states[rows], teacher_weight, teacher_bias,
-            None if sparse_ids is None else sparse_ids[rows], None if sparse_probs is None else sparse_probs[rows],
-            use_reentrant=False,
-        )
-    return total / n
+    return _ChunkedProjectionCE.apply(states, weight, bias, target_ids, teacher_states, teacher_weight, teacher_bias,
+                                      sparse_ids, sparse_probs, chunk_size) / n
 
 
 def sparse_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
