@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -126,8 +127,11 @@ class DrafterDataModule(L.LightningDataModule):
         elif fmt == "store":
             from .store import HiddenStateStore
 
-            self.train_set = HiddenStateStore(Path(self.path) / "train")
-            self.val_set = HiddenStateStore(Path(self.path) / "validation")
+            # One checksum pass per machine: data-parallel ranks on a node read the same files (sizes and
+            # shapes are still checked on every rank).
+            verify = int(os.environ.get("LOCAL_RANK", "0")) == 0
+            self.train_set = HiddenStateStore(Path(self.path) / "train", check_checksums=verify)
+            self.val_set = HiddenStateStore(Path(self.path) / "validation", check_checksums=verify)
             self.store_meta = self.train_set.meta
         else:
             raise SpectrainError(f"unknown data.format {self.format!r}; expected auto, text, chat or hf")

@@ -338,3 +338,20 @@ def test_resuming_with_grouping_toggled_is_refused():
         loader.load_state_dict(plain.state_dict())
     with pytest.raises(SpectrainError, match="--data.group_by_length true"):
         plain.load_state_dict(loader.state_dict())
+
+
+def test_only_a_nodes_first_rank_checksums_the_store(setup, monkeypatch):
+    """Every data-parallel rank opens the store; one per machine hashes its shards (a corrupt byte is then
+    caught there and stops that rank, and with it the run)."""
+    from spectrain.data import store as store_module
+    from spectrain.data.datamodule import DrafterDataModule
+
+    verifier_dir, _, store = setup
+    hashed = []
+    real = store_module._sha256
+    monkeypatch.setattr(store_module, "_sha256", lambda path: hashed.append(path) or real(path))
+    for local_rank, expect in (("1", False), ("0", True)):
+        hashed.clear()
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        DrafterDataModule(path=str(store), tokenizer=str(verifier_dir)).setup("fit")
+        assert bool(hashed) == expect
