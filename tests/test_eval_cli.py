@@ -120,7 +120,9 @@ def test_drafter_for_another_verifier(setup, verifier_factory, tmp_path):
 
 def test_gpu_check_script_cpu_path(tmp_path):
     """The GPU check runs end to end on the CPU with tiny sizes (its CUDA numbers need a GPU)."""
-    from spectrain.train.gpu_check import main
+    from tests.scripts import load_script
+
+    main = load_script("gpu_check").main
 
     path = main(["--small", "--device", "cpu", "--out", str(tmp_path), "--num_prompts", "2", "--max_new_tokens", "16"])
     summary = json.loads(path.read_text())

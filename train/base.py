@@ -39,7 +39,7 @@ def build_optimizer(drafter: torch.nn.Module, lr: float, weight_decay: float, lo
     """AdamW over the drafter's trainable weights (no decay on biases and norms).
 
     Fused where possible: the unfused CPU AdamW allocates W-sized temporaries per parameter, which is the peak
-    of the whole step for per-head lm_heads over a large vocabulary (see train/bench_memory.py); fused is faster too.
+    of the whole step for per-head lm_heads over a large vocabulary (see benchmarks/bench_memory.py); fused is faster too.
     Not fused under fp16 loss scaling (``loss_scaling``): a fused AdamW unscales inside its step, after
     clipping would have seen the scaled gradients. ``no_decay``: further weights kept out of weight decay.
     ``decaying``: names of the weights that decay (:func:`~.strategies.decay_names`, taken before a sharding

@@ -1,6 +1,6 @@
 """Benchmark: peak memory and training tokens/s of Medusa training on the CPU.
 
-Run: ``python -m spectrain.train.bench_memory [--steps N] [--out PATH]``.
+Run: ``python benchmarks/bench_memory.py [--steps N] [--out PATH]``.
 
 A random-weight Llama verifier with a realistic vocabulary (hidden 1024, 2 layers,
 vocabulary 128,256, untied embeddings) is built once and saved with a small
@@ -136,8 +136,8 @@ def build_verifier(out_dir: Path) -> None:
 def run_one(name: str, verifier_dir: str, steps: int) -> dict:
     import torch
 
-    from .base import build_optimizer
-    from .medusa import MedusaModule
+    from spectrain.train.base import build_optimizer
+    from spectrain.train.medusa import MedusaModule
 
     chunk, shared = CONFIGS[name]
     t0 = time.perf_counter()
@@ -248,7 +248,7 @@ def run_one(name: str, verifier_dir: str, steps: int) -> dict:
 
 # -- orchestration (parent process: stdlib only until the end, so its RSS stays small) ----------------------------
 def _spawn(args: list[str], timeout: float | None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "spectrain.train.bench_memory", *args]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
     return subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout)
 
 
@@ -289,7 +289,7 @@ def _loss_checks(results: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m spectrain.train.bench_memory",
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_memory.py",
                                 description="Peak memory and tokens/s of Medusa training on the CPU "
                                             "(chunked vs unchunked loss x per-head vs shared lm_head).")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration, after 1 warm-up step")

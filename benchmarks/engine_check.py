@@ -1,6 +1,6 @@
 """Real-engine check (benchmark, not a test): do our exports load in vLLM and accept what we measured?
 
-    python -m spectrain.eval.engine_check --python VENV/bin/python --verifier bundled:smollm2 \\
+    python benchmarks/engine_check.py --python VENV/bin/python --verifier bundled:smollm2 \\
         --drafter medusa=RUN_DIR --drafter eagle=RUN_DIR --drafter eagle3=RUN_DIR --prompts mt_bench.jsonl
 
 For every drafter it (1) exports it to the vLLM layout with ``spectrain-export``'s code (validated),
@@ -40,7 +40,7 @@ VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m spectrain.eval.engine_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/engine_check.py", description=__doc__.split("\n")[0])
     p.add_argument("--python", required=True, help="Python of the environment that has vllm installed")
     p.add_argument("--verifier", default="bundled:smollm2")
     p.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
