@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.io import atomic_dir
+from spectrain.heads.io import atomic_dir, cache_root
 from spectrain.heads.schedule import cosine_with_warmup
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -80,10 +79,6 @@ class TinyVerifierRecipe:
 
 
 RECIPES = {"tinyshakespeare": TinyVerifierRecipe()}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECTRAIN_CACHE", Path.home() / ".cache" / "spectrain")).expanduser()
 
 
 def bundled_verifier_dir(name: str = "tinyshakespeare") -> Path:

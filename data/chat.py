@@ -117,7 +117,7 @@ def to_messages(record: dict) -> list[dict] | None:
     no prompt to answer and no template can render the empty context before it,
     the second has nothing to learn after it.
     """
-    messages = _normalise(record)
+    messages = all_messages(record)
     while messages and messages[0]["role"] == "assistant":
         messages.pop(0)
     while messages and messages[-1]["role"] != "assistant":
@@ -127,7 +127,7 @@ def to_messages(record: dict) -> list[dict] | None:
     return messages
 
 
-def _normalise(record: Any) -> list[dict]:
+def all_messages(record: Any) -> list[dict]:
     """All messages of a record in OpenAI form, whatever its source format."""
     if not isinstance(record, dict):
         raise SpectrainError(f"a chat record must be a JSON object, not a {type(record).__name__}")

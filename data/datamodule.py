@@ -224,7 +224,7 @@ class DrafterDataModule(L.LightningDataModule):
         return self._split(ds)
 
     def _chat_cache_dir(self, path) -> Path:
-        from .bundled import cache_root
+        from spectrain.heads.io import cache_root
 
         digest = hashlib.sha256()
         with open(path, "rb") as f:

@@ -45,9 +45,9 @@ def prompts_of(record: dict, max_turns: int) -> tuple[str | None, list[str]]:
 
 def turns_of(record: dict, max_turns: int) -> tuple[str | None, list[tuple[str, str]]]:
     """(system prompt or None, the first ``max_turns`` (user turn, the dataset's reply to it or "") pairs)."""
-    from .chat import _normalise
+    from .chat import all_messages
 
-    messages = _normalise(record)
+    messages = all_messages(record)
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
     pairs = []
     for i, m in enumerate(messages):

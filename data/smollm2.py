@@ -42,7 +42,7 @@ def gguf_path() -> Path:
 
 
 def smollm2_dir() -> Path:
-    from .bundled import cache_root
+    from spectrain.heads.io import cache_root
 
     return cache_root() / "verifiers" / f"smollm2-135m-instruct-v{VERSION}"
 

@@ -35,16 +35,12 @@ import torch
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.host_memory import keep_freed_memory
 from spectrain.heads.io import load_tensors, read_json, save_tensors, write_json
+from spectrain.heads.verifier import verifier_signature
 
 FORMAT_VERSION = 2
 LAYOUT = "packed"
 LOGIT_CHUNK = 4096  # positions projected onto the vocabulary at a time
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def verifier_signature(config) -> dict:
-    return {"model_type": config.model_type, "hidden_size": config.hidden_size,
-            "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
 
 
 def _sha256(path: Path) -> str:

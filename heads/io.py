@@ -72,6 +72,12 @@ def atomic_dir(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def cache_root() -> Path:
+    """Where spectrain caches what it builds (bundled verifiers, tokenized data): ``$SPECTRAIN_CACHE`` or
+    ``~/.cache/spectrain``."""
+    return Path(os.environ.get("SPECTRAIN_CACHE", Path.home() / ".cache" / "spectrain")).expanduser()
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Write ``obj`` as indented JSON, atomically."""
     with atomic_path(path) as tmp:

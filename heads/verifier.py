@@ -26,15 +26,35 @@ def _looks_like_path(name: str) -> bool:
 def resolve_verifier(name_or_path: str) -> str:
     """Map ``bundled:<name>`` to its cached directory (built on first use); check local paths exist."""
     if name_or_path.startswith(BUNDLED_PREFIX):
-        from spectrain.data.bundled import ensure_bundled_verifier  # lazy: builds only when asked for
-
-        return str(ensure_bundled_verifier(name_or_path[len(BUNDLED_PREFIX):]))
+        return str(bundled_builder()(name_or_path[len(BUNDLED_PREFIX):]))
     path = Path(name_or_path).expanduser()
     if path.exists():
         return str(path)
     if _looks_like_path(name_or_path):
         raise SpectrainError(f"verifier path not found: {name_or_path}")
     return name_or_path  # a hub id
+
+
+def bundled_builder():
+    """The function that returns a ``bundled:<name>`` verifier's directory, building it on first use.
+
+    Building needs ``spectrain.data`` (a tiny Llama trained on tinyshakespeare; SmolLM2 converted from its GGUF),
+    which this base layer must not import: ``spectrain.data`` provides it as the ``bundled`` entry point of the
+    ``spectrain.verifiers`` group (pyproject.toml), loaded only when a ``bundled:`` name is resolved.
+    """
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group="spectrain.verifiers", name="bundled"))
+    if not found:
+        raise SpectrainError("bundled: verifiers are built by spectrain's data package, whose entry point is not "
+                             "installed: reinstall spectrain (pip install -e . or pip install spectrain)")
+    return found[0].load()
+
+
+def verifier_signature(config) -> dict:
+    """What a hidden-state store or a drafter must agree on with its verifier."""
+    return {"model_type": config.model_type, "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
 
 
 @dataclass

@@ -23,7 +23,7 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.host_memory import keep_freed_memory
 from spectrain.heads.schedule import cosine_with_warmup
 from spectrain.heads.precision import cast_module, resolve_dtype
-from spectrain.heads.verifier import load_verifier, max_context, verifier_features
+from spectrain.heads.verifier import load_verifier, max_context, verifier_features, verifier_signature
 
 from .losses import default_memory_budget, logits_bytes, projected_topk, sparse_teacher
 from .strategies import (clean_name, decay_names, drafter_class, full_state_dict, inside_forward, is_sharded,
@@ -358,8 +358,6 @@ class DrafterModule(L.LightningModule):
 
     def use_store(self, meta: dict) -> None:
         """Check an offline store against this verifier and drafter before training on it."""
-        from spectrain.data.store import verifier_signature
-
         if meta["signature"] != verifier_signature(self.verifier.config):
             raise SpectrainError(f"the hidden-state store was made with another verifier ({meta['verifier']}, "
                                  f"{meta['signature']})")

@@ -1,0 +1,60 @@
+"""Imports flow one way: heads/ is the base; data/, train/ and eval/ build on it; data/ imports neither train/
+nor eval/; eval/ never imports train/ (evaluation runs with torch + transformers + safetensors only)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ALLOWED = {"heads": set(), "data": {"heads"}, "eval": {"heads", "data"}, "train": {"heads", "data", "eval"}}
+
+
+def forbidden_imports(layer: str, source: str, filename: str = "<source>") -> list[str]:
+    """``file:line layer -> spectrain.X`` for every import (top level or inside a function) that points against
+    the layering."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                names = [f"spectrain.{layer}.{node.module or ''}"]
+            elif node.level > 1:
+                names = [f"spectrain.{node.module or ''}"]
+            else:
+                names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "spectrain" and len(parts) > 1 and parts[1] in ALLOWED and parts[1] != layer \
+                    and parts[1] not in ALLOWED[layer]:
+                found.append(f"{filename}:{node.lineno} {layer} -> {name}")
+    return found
+
+
+def test_no_import_points_against_the_layers():
+    problems = []
+    for layer in ALLOWED:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            problems += forbidden_imports(layer, path.read_text(), str(path.relative_to(ROOT)))
+    assert not problems, "imports against the layering:\n" + "\n".join(problems)
+
+
+def test_the_check_sees_a_forbidden_import():
+    """The test above can fail: an upward import, even a lazy one inside a function, is reported."""
+    lazy = "def f():\n    from spectrain.data.bundled import ensure_bundled_verifier\n"
+    assert forbidden_imports("heads", lazy) == ["<source>:2 heads -> spectrain.data.bundled"]
+    assert forbidden_imports("eval", "import spectrain.train.base\n") == ["<source>:1 eval -> spectrain.train.base"]
+    assert forbidden_imports("data", "from ..train import cli\n") == ["<source>:1 data -> spectrain.train"]
+    assert forbidden_imports("train", "from spectrain.eval.decode import generate\n") == []
+
+
+def test_benchmarks_and_checks_live_outside_the_packages():
+    names = ("bench_", "gpu_check", "engine_check", "vllm_runner")
+    inside = [str(p.relative_to(ROOT)) for layer in ALLOWED for p in (ROOT / layer).rglob("*.py")
+              if p.name.startswith(names)]
+    assert not inside, inside
+    assert all((ROOT / "benchmarks" / f"{n}.py").is_file() for n in ("bench_store", "bench_streaming", "bench_memory",
+                                                                      "gpu_check", "engine_check", "vllm_runner"))
