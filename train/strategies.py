@@ -162,7 +162,7 @@ def mmap_checkpoint_io():
         def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None):
             if not (isinstance(path, (str, Path)) and Path(path).is_file()):  # remote, or missing: Lightning's path
                 return super().load_checkpoint(path, map_location, weights_only)
-            return torch.load(path, map_location=map_location, mmap=True,
-                              weights_only=True if weights_only is None else weights_only)
+            # Our checkpoints hold tensors, numbers, strings and lists only: never unpickle code from them.
+            return torch.load(path, map_location=map_location, mmap=True, weights_only=True)
 
     return MmapCheckpointIO()
