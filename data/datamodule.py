@@ -19,14 +19,14 @@ from typing import Literal, Optional
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.io import atomic_dir
 from spectrain.heads.verifier import load_tokenizer
 
 from .bundled import VAL_FRACTION, bundled_text_path
-from .loader import EveryNth, rank_and_world
+from .loader import EveryNth, RankShare, is_map_style, rank_and_world
 
 log = logging.getLogger(__name__)
 
@@ -318,18 +318,12 @@ class DrafterDataModule(L.LightningDataModule):
         return None
 
     def val_dataloader(self) -> DataLoader:
-        """This rank's share of the validation rows (rows rank, rank + world, ...): the ranks' summed counts equal
-        one process's."""
+        """This rank's share of the validation rows (rows rank, rank + world, ...), padded with target-free rows
+        to the same number of rows on every rank: the ranks' summed counts equal one process's."""
         rank, world = rank_and_world()
         rows = self.val_set
         if world > 1:
-            if hasattr(rows, "__getitem__"):
-                if len(rows) < world:
-                    raise SpectrainError(f"{self.data_name}: {len(rows)} validation rows for {world} ranks; "
-                                         "raise data.val_fraction")
-                rows = Subset(rows, range(rank, len(rows), world))
-            else:
-                rows = EveryNth(rows, rank, world)
+            rows = RankShare(rows, rank, world) if is_map_style(rows) else EveryNth(rows, rank, world)
         return DataLoader(rows, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,
                           num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
                           generator=torch.Generator().manual_seed(self.seed))

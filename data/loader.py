@@ -27,16 +27,52 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def is_map_style(rows) -> bool:
+    """Whether ``rows`` is read by index (``len`` + ``__getitem__``) rather than streamed: torch's
+    ``IterableDataset`` inherits a ``__getitem__`` (that raises), so ``hasattr`` alone cannot tell."""
+    return not isinstance(rows, IterableDataset) and hasattr(rows, "__getitem__") and hasattr(rows, "__len__")
+
+
+def without_targets(row: dict) -> dict:
+    """``row`` with every ``loss_mask`` entry 0: a padding row that validation counts and losses skip."""
+    mask = row.get("loss_mask")
+    zeros = torch.zeros_like(torch.as_tensor(mask)) if torch.is_tensor(mask) else [0] * len(row["input_ids"])
+    return {**row, "loss_mask": zeros}
+
+
+class RankShare(Dataset):
+    """Rows ``rank``, ``rank + world``, ... of a map-style dataset, padded with target-free copies of row 0 to
+    ``ceil(n / world)`` rows: every rank then runs the same number of validation batches (under FSDP each
+    forward gathers weights from every rank, so a rank with a batch fewer would leave the others waiting)."""
+
+    def __init__(self, rows, rank: int, world: int):
+        self.rows, self.indices = rows, range(rank, len(rows), world)
+        self.length = -(-len(rows) // world)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[self.indices[i]] if i < len(self.indices) else without_targets(self.rows[0])
+
+
 class EveryNth(IterableDataset):
-    """Items ``rank``, ``rank + world``, ... of an iterable dataset: one rank's share of a validation stream."""
+    """Items ``rank``, ``rank + world``, ... of an iterable dataset: one rank's share of a validation stream. A
+    last, partial round gives the ranks it does not reach a target-free copy of its first item, so every rank
+    yields ``ceil(n / world)`` items (see :class:`RankShare`)."""
 
     def __init__(self, items, rank: int, world: int):
         self.items, self.rank, self.world = items, rank, world
 
     def __iter__(self):
-        for i, item in enumerate(self.items):
-            if i % self.world == self.rank:
-                yield item
+        round_: list = []
+        for item in self.items:
+            round_.append(item)
+            if len(round_) == self.world:
+                yield round_[self.rank]
+                round_ = []
+        if round_:
+            yield round_[self.rank] if self.rank < len(round_) else without_targets(round_[0])
 
 
 class ResumableLoader:

@@ -115,6 +115,8 @@ def load_verifier(
     if getattr(config, "is_encoder_decoder", False):
         raise SpectrainError(f"verifier {name_or_path!r} is an encoder-decoder ({config.model_type}), not a causal LM")
     torch_dtype = resolve_dtype(dtype, device)
+    if torch.device(device).type != "cpu" and not gguf_file:  # weights read straight onto the device, not via host
+        kwargs["device_map"] = {"": torch.device(device)}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kwargs)
     except ValueError as e:

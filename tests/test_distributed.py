@@ -91,12 +91,57 @@ def test_resume_restores_each_ranks_own_random_stream(verifier_factory):
 
     module = MedusaModule(verifier=str(verifier_factory("llama", False)), num_heads=1)
     streams = [torch.Generator().manual_seed(r).get_state() for r in range(2)]
-    module._trainer = SimpleNamespace(world_size=2, global_rank=1)
+    module._trainer = SimpleNamespace(world_size=2, global_rank=1, strategy=SimpleNamespace(root_device=torch.device("cpu")))
     module.restore_rng({"ranks": [{"torch": streams[0]}, {"torch": streams[1]}]})
     assert torch.equal(torch.get_rng_state(), streams[1])
     before = torch.get_rng_state()
     module.restore_rng({"ranks": [{"torch": streams[0]}]})  # saved by another number of ranks: left as seeded
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_resume_restores_the_cuda_stream_of_the_device_the_rank_trains_on(verifier_factory, monkeypatch):
+    """Lightning restores a checkpoint before the strategy moves the module to its GPU: the CUDA stream must go to
+    the strategy's device, not to ``module.device`` (still the CPU then, so the stream was silently not restored)."""
+    from types import SimpleNamespace
+
+    from spectrain.train.medusa import MedusaModule
+
+    module = MedusaModule(verifier=str(verifier_factory("llama", False)), num_heads=1)
+    assert module.device.type == "cpu"
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    gpu = torch.device("cuda", 1)
+    module._trainer = SimpleNamespace(world_size=2, global_rank=1, strategy=SimpleNamespace(root_device=gpu))
+    cuda_states = [torch.tensor([0], dtype=torch.uint8), torch.tensor([1], dtype=torch.uint8)]
+    module.restore_rng({"ranks": [{"torch": torch.get_rng_state(), "cuda": cuda_states[0]},
+                                  {"torch": torch.get_rng_state(), "cuda": cuda_states[1]}]})
+    assert len(restored) == 1 and restored[0][1] == gpu and torch.equal(restored[0][0], cuda_states[1])
+
+
+def test_each_rank_loads_the_verifier_straight_onto_its_own_gpu(verifier_factory, monkeypatch):
+    """Loaded on the host and moved by the strategy, a large verifier would sit whole in host memory once per
+    rank; the weights go straight to the local rank's GPU instead (what ``from_pretrained`` is asked for: CUDA
+    itself is not needed to check it)."""
+    from transformers import AutoModelForCausalLM
+
+    from spectrain.train.medusa import MedusaModule
+
+    class Stop(Exception):
+        pass
+
+    asked = {}
+
+    def from_pretrained(path, **kwargs):
+        asked.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(Stop):
+        MedusaModule(verifier=str(verifier_factory("llama", False)), verifier_dtype="bfloat16")
+    assert asked["device_map"] == {"": torch.device("cuda", 1)} and asked["dtype"] == torch.bfloat16
 
 
 def test_fsdp_units_never_mix_frozen_and_trainable(verifier_factory):
@@ -208,6 +253,76 @@ def test_fsdp_sharded_drafter_trains_through_forward(tmp_path, verifier_factory)
         assert r0["decayed_local"] > 0 and r1["decayed_local"] > 0  # matrices still decay when sharded
 
 
+class _GlooStrategy:
+    root_device = torch.device("cpu")
+
+    def reduce(self, tensor, reduce_op="sum"):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # one process
+            return tensor
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor
+
+
+def _validation_end(rank: int, world: int, verifier: str, batch: dict | None) -> dict:
+    """One rank's validation: ``batch`` (or none at all) through the module's own hooks, then its metrics."""
+    from types import SimpleNamespace
+
+    from spectrain.train.medusa import MedusaModule
+
+    torch.manual_seed(0)
+    module = MedusaModule(verifier=verifier, num_heads=2, verifier_dtype="float32", measure_prompts=2,
+                          measure_new_tokens=4)
+    module._trainer = SimpleNamespace(world_size=world, global_rank=rank, strategy=_GlooStrategy(),
+                                      state=SimpleNamespace(fn="validate"), sanity_checking=False)
+    module.log_dict = lambda *a, **k: None
+    module._prompts_from_batches, module._val_sums = True, {}  # bare dataloaders: prompts from the batches
+    if batch is not None:
+        module.validation_step(batch, 0)
+    module.on_validation_epoch_end()
+    return module.last_val_metrics
+
+
+def _validation_batch() -> dict:
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+
+
+def _validation_worker(rank: int, world: int, store: str, verifier: str, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    # A rank left out of a collective would hang the others: the timeout turns that into a failure.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    metrics = _validation_end(rank, world, verifier, _validation_batch() if rank == 0 else None)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, metrics)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def test_validation_end_takes_the_same_collectives_on_every_rank(tmp_path, verifier_factory):
+    """Rank 1 saw no validation batch (so has no sums and no prompts of its own): it must still enter every
+    reduction rank 0 enters, and both must report what one process reports for rank 0's batch, measured tau
+    included (the prompts rank 0 collected, shared, each rank decoding its share)."""
+    import torch.multiprocessing as mp
+
+    verifier = str(verifier_factory("llama", False, layers=2))
+    out = tmp_path / "val.json"
+    mp.spawn(_validation_worker, args=(2, str(tmp_path / "store"), verifier, str(out)), nprocs=2)
+    ranks = json.loads(out.read_text())
+    one = _validation_end(0, 1, verifier, _validation_batch())
+    assert "tau_measured" in one and ranks[0] == ranks[1]
+    for key, value in one.items():
+        assert ranks[0][key] == pytest.approx(value, rel=1e-6), key
+
+
 def test_fsdp_drafter_keeps_buffers_and_reductions_in_fp32():
     """Lightning's bf16-mixed FSDP config casts buffers (the verifier's RoPE tables) and gradient reductions to
     bf16; ``fsdp_drafter`` keeps both fp32 and computes in bf16."""
@@ -223,6 +338,27 @@ def test_fsdp_drafter_keeps_buffers_and_reductions_in_fp32():
     assert config.param_dtype == torch.bfloat16 and config.reduce_dtype == torch.float32
     assert config.buffer_dtype is None
     assert FSDPPrecision("bf16-mixed").mixed_precision_config.buffer_dtype == torch.bfloat16  # what it replaces
+
+
+def test_fsdp_drafter_checkpoints_gather_the_drafter_only(verifier_factory):
+    """Lightning's FSDP checkpoint gathers the whole model, frozen verifier included, onto rank 0 before the
+    module drops it again; ``fsdp_drafter`` gathers the drafter alone, under the names the module restores."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from spectrain.heads.errors import SpectrainError
+    from spectrain.train.medusa import MedusaModule
+    from spectrain.train.strategies import register_strategies
+
+    register_strategies()
+    strategy = StrategyRegistry.get("fsdp_drafter")
+    module = MedusaModule(verifier=str(verifier_factory("llama", False)), num_heads=2)
+    strategy._lightning_module, strategy.model = module, module
+    state = strategy.lightning_module_state_dict()
+    assert set(state) == {f"drafter.{k}" for k in module.drafter.state_dict()}
+    for k, v in module.drafter.state_dict().items():
+        assert torch.equal(state[f"drafter.{k}"], v)
+    with pytest.raises(SpectrainError, match="no activation checkpointing"):
+        StrategyRegistry["fsdp_drafter"]["strategy"](activation_checkpointing_policy={torch.nn.Linear})
 
 
 class _HostSyncs(torch.overrides.TorchFunctionMode):

@@ -14,6 +14,7 @@ from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.eagle import EagleDrafter
 from spectrain.heads.errors import SpectrainError
+from spectrain.train.base import merge_rank_prompts
 from spectrain.train.eagle import EagleModule
 from spectrain.train.medusa import MedusaModule
 from tests.conftest import make_verifier
@@ -96,6 +97,7 @@ def test_measured_tau_is_the_evaluators_tau_on_the_validation_prompts(verifier_f
                           draft_vocab_size=60 if method == "eagle3" else None, measure_prompts=2, measure_k=3, measure_new_tokens=12))
     ids = torch.tensor([r["input_ids"] for r in _rows(3, vocab=200, seed=2)])
     m._collect_prompts(_batch(ids, prompt=6))
+    m._measure_ids = merge_rank_prompts(m._own_prompts, 1, m.measure_prompts)  # one process: its own prompts
     assert m._measure_ids == [row[:6] for row in ids[:2].tolist()]  # the first rows, cut before their targets
     rng = torch.get_rng_state()
     got = m.measured_tau()

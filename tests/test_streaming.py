@@ -142,3 +142,33 @@ def test_each_rank_streams_only_its_own_rows(tmp_path, verifier_factory):
     one = [s["input_ids"][0] for s in stream]
     assert not set(shares[0]) & set(shares[1]) and sorted(shares[0] + shares[1]) == sorted(one)
     assert len(seen[0]) == len(seen[1]) == len(one) // 2  # neither rank touched the other's rows
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_validation_shares_are_equal_and_padded_without_targets(tmp_path, verifier_factory, text_file, monkeypatch,
+                                                                streaming):
+    """Every rank gets ceil(n / world) validation rows (a rank with a batch fewer would leave FSDP's gathers
+    waiting): rank r reads rows r, r + world, ...; where the rows run out, a copy without targets. A stream (an
+    IterableDataset, whose inherited ``__getitem__`` raises) is dealt the same way, not indexed."""
+    import spectrain.data.datamodule as datamodule
+    from spectrain.train.base import measure_prompts_from
+
+    dm = DrafterDataModule(path=str(text_file), tokenizer=str(verifier_factory("llama", False)), block_size=16,
+                           batch_size=2, streaming=streaming)
+    dm.setup()
+    rows = list(dm.val_set)
+    world = 3
+    if len(rows) % world == 0:  # the padding must be exercised
+        world = 4 if len(rows) % 4 else 5
+    assert len(rows) % world and len(rows) >= world
+    shares = []
+    for rank in range(world):
+        monkeypatch.setattr(datamodule, "rank_and_world", lambda rank=rank: (rank, world))
+        shares.append([r for b in dm.val_dataloader() for r in zip(b["input_ids"], b["loss_mask"])])
+    assert len({len(s) for s in shares}) == 1 and len(shares[0]) == -(-len(rows) // world)
+    real = [(ids, mask) for share in shares for ids, mask in share if mask.any()]
+    assert sorted(ids.tolist() for ids, _ in real) == sorted(list(r["input_ids"]) for r in rows)  # each row once
+    padding = [mask for share in shares for _, mask in share if not mask.any()]
+    assert len(padding) == len(shares[0]) * world - len(rows)
+    # Measured-tau prompts read a stream from its start instead of indexing it.
+    assert len(measure_prompts_from(dm.val_set, 2)) == 2

@@ -11,6 +11,7 @@ subclass provides ``build_drafter``, ``drafter_loss``, ``validation_counts``, ``
 from __future__ import annotations
 
 import copy
+import os
 import time
 import warnings
 from typing import Literal, Optional
@@ -18,6 +19,7 @@ from typing import Literal, Optional
 import lightning as L
 import torch
 
+from spectrain.data.loader import is_map_style
 from spectrain.heads.eagle import most_frequent
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.host_memory import keep_freed_memory
@@ -127,17 +129,20 @@ class DrafterModule(L.LightningModule):
             raise SpectrainError(f"model.measure_prompts must be >= 0 and measure_k / measure_new_tokens >= 1, got "
                                  f"{measure_prompts}, {measure_k}, {measure_new_tokens}")
         self.measure_prompts, self.measure_k, self.measure_new_tokens = measure_prompts, measure_k, measure_new_tokens
-        self._measure_ids: list[list[int]] = []
+        self._measure_ids: list[list[int]] = []  # the same on every rank; each decodes its share of them
+        self._own_prompts: list[list[int]] = []  # this rank's, from its validation batches (bare dataloaders)
+        self._prompts_scanned = False  # the datamodule's validation set was searched once: never again
         self.curve: list[dict] = []  # one entry per validation: the learning curve in the run's summary
         self.loss_chunk_size, self.loss_recompute = loss_chunk_size, loss_recompute
         self.loss_memory_budget_gb = loss_memory_budget_gb
         self._loss_budget: Optional[int] = None
-        # Loaded directly in the compute dtype of the device it will train on (not cast later): a native
-        # bf16 load keeps HF's fp32 rotary tables, and no fp32 copy of a large verifier is ever made.
-        self.verifier_device = "cuda" if torch.cuda.is_available() else "cpu"
+        # Loaded directly in the compute dtype (not cast later: a native bf16 load keeps HF's fp32 rotary tables,
+        # and no fp32 copy of a large verifier is ever made) and onto the device this rank will train on (no
+        # whole copy in host memory per rank; the strategy's move to that device is then a no-op).
+        self.verifier_device = local_device()
         loaded = load_verifier(verifier, gguf_file=verifier_gguf_file,
                                dtype=resolve_dtype(verifier_dtype, self.verifier_device),
-                               trust_remote_code=trust_remote_code)
+                               device=self.verifier_device, trust_remote_code=trust_remote_code)
         self.verifier = loaded.model
         self.tokenizer = loaded.tokenizer
         self.drafter = self.build_drafter()
@@ -434,14 +439,15 @@ class DrafterModule(L.LightningModule):
         self.sync_trained_tokens()
         data = getattr(self.trainer, "datamodule", None)
         self._prompts_from_batches = data is None or getattr(data, "val_set", None) is None
-        if len(self._measure_ids) < self.measure_prompts and not self._prompts_from_batches:
+        if self.measure_prompts and not self._prompts_from_batches and not self._prompts_scanned:
             self._measure_ids = measure_prompts_from(data.val_set, self.measure_prompts)
+            self._prompts_scanned = True  # a set with fewer usable prompts is not scanned again each validation
 
     def on_train_end(self) -> None:
         self.sync_trained_tokens()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        if len(self._measure_ids) < self.measure_prompts and self._prompts_from_batches:
+        if self._prompts_from_batches and len(self._own_prompts) < self.measure_prompts:
             self._collect_prompts(batch)  # bare dataloaders, no datamodule: this rank's first rows
         features = self.features(batch)
         for key, value in inside_forward(self.drafter, lambda: self.validation_counts(batch, features)).items():
@@ -449,7 +455,12 @@ class DrafterModule(L.LightningModule):
             self._val_sums[key] = self._val_sums[key] + value if key in self._val_sums else value
 
     def on_validation_epoch_end(self) -> None:
-        sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val_sums.items()}
+        # Every branch below is taken alike on every rank (what decides it is gathered first): a rank that skipped
+        # a collective the others entered would hang them.
+        world = self.trainer.world_size
+        if self._prompts_from_batches:
+            self._measure_ids = merge_rank_prompts(self._own_prompts, world, self.measure_prompts)
+        sums = reduce_sums(self._val_sums, self.trainer.strategy, world, self.device)
         if not sums:
             return
         metrics = self.val_metrics(sums)
@@ -469,11 +480,14 @@ class DrafterModule(L.LightningModule):
 
     # -- measured tau: the real speculative loop on a few fixed prompts ------------------------------------------
     def _collect_prompts(self, batch: dict) -> None:
-        """The prompts of a validation batch's rows (:func:`row_prompt`), up to ``measure_prompts``."""
+        """The prompts of a validation batch's rows (:func:`row_prompt`), up to ``measure_prompts``; rows without
+        targets (a rank's padding, :class:`~spectrain.data.loader.RankShare`) give none."""
         for ids, loss, valid in zip(batch["input_ids"], batch["loss_mask"], batch["attention_mask"].bool()):
+            if not bool(loss[valid].any()):
+                continue
             prompt = row_prompt(ids[valid], loss[valid])
-            if prompt is not None and len(self._measure_ids) < self.measure_prompts:
-                self._measure_ids.append(prompt)
+            if prompt is not None and len(self._own_prompts) < self.measure_prompts:
+                self._own_prompts.append(prompt)
 
     def eval_drafter(self, drafter: torch.nn.Module, k: int):
         """The evaluator's chain drafter over ``drafter`` (a copy in the verifier's dtype)."""
@@ -549,8 +563,9 @@ class DrafterModule(L.LightningModule):
                                    "curve": self.curve}
         # The RNG streams the loss draws from (EAGLE-1's feature noise), so a resumed run draws the same numbers:
         # every rank's own (CPU, and its own device's on CUDA), gathered into rank 0's checkpoint.
+        device = self.rng_device()
         mine = {"torch": torch.get_rng_state(),
-                **({"cuda": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {})}
+                **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
         world = self.trainer.world_size if self._trainer is not None else 1
         ranks = [mine] * world
         if world > 1:
@@ -578,8 +593,14 @@ class DrafterModule(L.LightningModule):
             return
         mine = ranks[self.global_rank]
         torch.set_rng_state(mine["torch"])
-        if "cuda" in mine and self.device.type == "cuda":
-            torch.cuda.set_rng_state(mine["cuda"], self.device)
+        device = self.rng_device()
+        if "cuda" in mine and device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda"], device)
+
+    def rng_device(self):
+        """The device this rank trains on. Not ``self.device``: Lightning restores a checkpoint (and so calls
+        :meth:`restore_rng`) before the strategy moves the module onto that device."""
+        return self.trainer.strategy.root_device if self._trainer is not None else self.device
 
     def drafter_state_from_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
         """The drafter's weights from a Lightning checkpoint of this module (loaded with weights_only)."""
@@ -587,6 +608,15 @@ class DrafterModule(L.LightningModule):
         return {k[len("drafter."):]: v for k, v in state.items() if k.startswith("drafter.")}
 
     method_name = "drafter"
+
+
+def local_device() -> torch.device:
+    """The device this process trains on: its local rank's GPU (``LOCAL_RANK``, set by Lightning's launcher and
+    torchrun; ``SLURM_LOCALID`` under srun), the CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    return torch.device("cuda", local % torch.cuda.device_count())
 
 
 def ddp_ignored_names(module: torch.nn.Module) -> list[str]:
@@ -605,11 +635,38 @@ def row_prompt(ids: torch.Tensor, loss_mask: torch.Tensor) -> Optional[list[int]
     return ids[:first].tolist() if first >= 2 else None
 
 
+def merge_rank_prompts(own: list[list[int]], world: int, n: int) -> list[list[int]]:
+    """Every rank's prompts (each from its own validation rows) as one list, the same on every rank: rank 0's
+    first, rank 1's first, ..., rank 0's second, ... (the order of the rows the ranks were dealt), at most ``n``.
+    A collective when ``world > 1``."""
+    if world == 1:
+        return own[:n]
+    ranks: list = [None] * world
+    torch.distributed.all_gather_object(ranks, own)
+    return [r[i] for i in range(max(map(len, ranks))) for r in ranks if i < len(r)][:n]
+
+
+def reduce_sums(sums: dict[str, torch.Tensor], strategy, world: int, device) -> dict[str, torch.Tensor]:
+    """Validation count sums added over ranks. A rank that saw no batch (or no key another rank saw) adds zeros
+    of the same shape, so every rank enters the same reductions in the same order. A collective when
+    ``world > 1``."""
+    if world > 1:
+        shapes: list = [None] * world
+        torch.distributed.all_gather_object(shapes, {k: tuple(v.shape) for k, v in sums.items()})
+        union = {k: shape for rank in shapes for k, shape in rank.items()}
+        sums = {k: sums[k] if k in sums else torch.zeros(union[k], dtype=torch.float64, device=device)
+                for k in sorted(union)}
+    return {k: strategy.reduce(v, reduce_op="sum") for k, v in sums.items()}
+
+
 def measure_prompts_from(val_set, n: int) -> list[list[int]]:
     """The first ``n`` prompts of the validation set in its own order — the same on every rank and for any number
-    of ranks (each rank then decodes its share of them)."""
+    of ranks (each rank then decodes its share of them). Map-style sets are read by index; streams (an
+    ``IterableDataset``) from their start."""
     prompts: list[list[int]] = []
-    rows = (val_set[i] for i in range(len(val_set))) if hasattr(val_set, "__getitem__") else iter(val_set)
+    if n <= 0:
+        return prompts  # (a stream would otherwise be read to its end)
+    rows = (val_set[i] for i in range(len(val_set))) if is_map_style(val_set) else iter(val_set)
     for row in rows:
         ids = torch.as_tensor(row["input_ids"])
         loss = torch.as_tensor(row["loss_mask"]) if "loss_mask" in row else torch.ones_like(ids)

@@ -131,7 +131,19 @@ def register_strategies() -> None:
     class DrafterFSDPStrategy(FSDPStrategy):
         """Lightning's FSDP with mixed precision that casts neither buffers nor gradient reductions: Lightning's
         bf16-mixed sets ``buffer_dtype=bf16``, which rounds the verifier's fp32 RoPE tables (``inv_freq``: phase
-        errors up to ~0.7 rad at position 512) and averages gradients in bf16."""
+        errors up to ~0.7 rad at position 512) and averages gradients in bf16. Checkpoints gather the drafter only.
+
+        Activation checkpointing is refused: the verifier runs without gradients (nothing to recompute), and a
+        checkpoint wrapper around the drafter would recompute its forward in backward after
+        :func:`inside_forward` has put the real one back (the loss recomputes itself: ``model.loss_recompute``)."""
+
+        def __init__(self, *args, activation_checkpointing_policy=None, activation_checkpointing=None, **kwargs):
+            from spectrain.heads.errors import SpectrainError
+
+            if activation_checkpointing_policy is not None or activation_checkpointing is not None:
+                raise SpectrainError("fsdp_drafter takes no activation checkpointing: the verifier runs without "
+                                     "gradients and the drafter's loss recomputes itself (--model.loss_recompute)")
+            super().__init__(*args, **kwargs)
 
         @property
         def mixed_precision_config(self):
@@ -142,6 +154,15 @@ def register_strategies() -> None:
             if config is None or self.mixed_precision:  # the user's own config wins
                 return config
             return MixedPrecision(param_dtype=config.param_dtype, reduce_dtype=torch.float32, buffer_dtype=None)
+
+        def lightning_module_state_dict(self) -> dict:
+            """What a checkpoint holds: the drafter's weights alone, gathered from its shards (a collective, as
+            Lightning calls it on every rank; each gets the whole tensors, on the host). Lightning's own gathers
+            the whole model, the frozen verifier included, which the module's ``on_save_checkpoint`` then drops:
+            a 30B verifier's weights through rank 0's host memory at every checkpoint."""
+            if self._state_dict_type != "full":
+                return super().lightning_module_state_dict()
+            return {f"drafter.{k}": v for k, v in full_state_dict(self.lightning_module.drafter).items()}
 
     if "fsdp_drafter" not in StrategyRegistry:
         StrategyRegistry.register("fsdp_drafter", DrafterFSDPStrategy, description="FSDP: verifier layers and the "
