@@ -78,9 +78,22 @@ def residual_after_rejection(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (q - p).clamp_min(0.0)
 
 
-def _normalize(p: torch.Tensor) -> torch.Tensor:
+def _normalize_or(p: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``p`` normalized per row; ``fallback`` where a row of ``p`` has no mass left.
+
+    After a rejection the bonus token comes from what the tried candidates left of q'. When they covered its
+    whole support, one of them is accepted with probability 1 in exact arithmetic, but float rounding can leave
+    p_accept a hair under 1, and sampling from an all-zero row would return token 0, which q' may give no mass at
+    all. Falling back to q' (a measure-zero event) keeps every emitted token inside q's support."""
     total = p.sum(-1, keepdim=True)
-    return torch.where(total > 0, p / total.clamp_min(1e-30), p)
+    return torch.where(total > 0, p / total.clamp_min(1e-30), fallback)
+
+
+def sibling_accept_probs(q_tok: torch.Tensor) -> torch.Tensor:
+    """(N, width) q'(c_j) of a node's children in rank order -> the probability of accepting c_j once c_1..c_{j-1}
+    were rejected: q'(c_j) / (1 - sum_{i<j} q'(c_i)), q' with the rejected siblings' mass removed."""
+    tried_before = q_tok.cumsum(1) - q_tok
+    return q_tok / (1.0 - tried_before).clamp_min(1e-30)
 
 
 @dataclass
@@ -128,8 +141,7 @@ def accept(q: torch.Tensor, drafts: torch.Tensor, tree: Tree, draft_probs: torch
         u = torch.rand(kids.shape, device=device, generator=generator)
         q_tok = residual.gather(1, tokens) * valid
         if draft_probs is None:
-            tried_before = q_tok.cumsum(1) - q_tok
-            p_accept = q_tok / (1.0 - tried_before).clamp_min(1e-30)
+            p_accept = sibling_accept_probs(q_tok)
             # Rejecting every child removes all their tokens from q' (siblings are distinct tokens).
             tried = torch.zeros_like(residual).scatter_add(1, tokens, valid.to(residual.dtype)) > 0
             rejected = residual.masked_fill(tried, 0.0)
@@ -143,7 +155,7 @@ def accept(q: torch.Tensor, drafts: torch.Tensor, tree: Tree, draft_probs: torch
         first = hit.int().argmax(1)
         chosen = kids.gather(1, first[:, None])[:, 0]
         stop_now = ~done & ~any_hit
-        bonus_dist = torch.where(stop_now[:, None], _normalize(rejected), bonus_dist)
+        bonus_dist = torch.where(stop_now[:, None], _normalize_or(rejected, residual), bonus_dist)
         go = ~done & any_hit
         path[:, d] = torch.where(go, chosen, path[:, d])
         length = length + go.long()
@@ -152,3 +164,35 @@ def accept(q: torch.Tensor, drafts: torch.Tensor, tree: Tree, draft_probs: torch
         done = done | stop_now
     bonus_dist = torch.where(done[:, None], bonus_dist, q[batch, cur])
     return Verdict(path=path, accept_length=length, bonus=sample(bonus_dist, generator))
+
+
+def accept_greedy(target: torch.Tensor, drafts: torch.Tensor, tree: Tree) -> Verdict:
+    """:func:`accept` at temperature 0, on token ids: the longest path of ``tree`` whose drafts equal the
+    verifier's argmax after each ancestor, and the argmax after it as the bonus. No vocabulary-sized tensor (no
+    one-hot q, no random draws); a chain is a handful of ops, a tree a handful per depth.
+
+    Args:
+        target: (N, n+1) the verifier's argmax tokens: column 0 at the root, column i+1 after node i.
+        drafts: (N, n) drafted tokens of the tree nodes.
+        tree: the candidate structure (on the tensors' device).
+    """
+    N, n = drafts.shape
+    depth_cap = max(tree.max_depth, 1)
+    if tree.is_chain:
+        length = (drafts == target[:, :n]).long().cumprod(1).sum(1)  # the matching prefix
+        steps = torch.arange(depth_cap, device=drafts.device)
+        path = torch.where(steps[None, :n] < length[:, None], steps[None, :n], -1) if n else \
+            torch.full((N, depth_cap), -1, dtype=torch.long, device=drafts.device)
+        return Verdict(path=path, accept_length=length, bonus=target.gather(1, length[:, None])[:, 0])
+    cur = torch.zeros(N, dtype=torch.long, device=drafts.device)  # column of target: 0 = root, i+1 = node i
+    go = torch.ones(N, dtype=torch.bool, device=drafts.device)
+    path = []
+    for _ in range(depth_cap):
+        kids = tree.children[cur]  # (N, width)
+        hit = (drafts.gather(1, kids.clamp_min(0)) == target.gather(1, cur[:, None])) & (kids >= 0)
+        go = go & hit.any(1)
+        chosen = kids.gather(1, hit.int().argmax(1, keepdim=True))[:, 0]
+        path.append(torch.where(go, chosen, -1))
+        cur = torch.where(go, chosen + 1, cur)
+    path = torch.stack(path, 1)
+    return Verdict(path=path, accept_length=(path >= 0).sum(1), bonus=target.gather(1, cur[:, None])[:, 0])

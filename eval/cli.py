@@ -77,8 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bfloat16")
     p.add_argument("--hf_generate", type=int, default=3, help="prompts timed with HF generate() (0: skip)")
     p.add_argument("--compile", action="store_true",
-                   help="CUDA: capture verifier forwards as CUDA graphs (torch.compile reduce-overhead), and run "
-                        "HF generate() with its static cache compiled too, so the baselines are like for like")
+                   help="compile the verifier's forwards for every verify size this job uses (bucketed; CUDA graphs "
+                        "on CUDA, Inductor elsewhere), warmed up before timing (the time is reported apart); on CUDA "
+                        "HF generate() runs with its static cache compiled too, so the baselines are like for like")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default runs/eval/<method>-<verifier>)")
     p.add_argument("--trust_remote_code", action="store_true")
@@ -142,8 +143,17 @@ def encode_turn(tokenizer, history: list[dict], use_template: bool) -> list[int]
 
 def verify_width(args) -> int:
     """Tokens in this job's widest verifier forward: 1 + its largest chain, tree or dynamic-tree budget."""
+    return max(verify_sizes(args))
+
+
+PLANNER_TREES = (4, 8, 16, 32, 64)  # the Medusa planner's tree sizes
+
+
+def verify_sizes(args) -> list[int]:
+    """Every verifier forward size this job decodes with: AR's 1, and 1 + each chain, tree or dynamic-tree
+    budget (a compiled decoder is compiled for these; the planner's chains 1..k pad up to them)."""
     if args.method == "none":
-        return 1
+        return [1]
     sizes = [args.k]
     lookup = args.k if args.method == "hybrid" else 0  # a hybrid static tree gains the lookup branch
     if args.tree and args.tree.startswith("auto:") and args.tree[5:].isdigit():
@@ -152,7 +162,7 @@ def verify_width(args) -> int:
         sizes.append(Tree.load(args.tree).size + lookup)
     if args.dynamic_tree and args.dynamic_tree.count(",") == 2 and args.dynamic_tree.rsplit(",", 1)[1].isdigit():
         sizes.append(int(args.dynamic_tree.rsplit(",", 1)[1]))
-    return 1 + max(sizes)
+    return [1] + [1 + s for s in sizes]
 
 
 def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
@@ -318,11 +328,14 @@ def hf_generate_speed(model, tokenizer, prompts, use_template, args, n: int) -> 
     if args.temperature > 0:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
     device = next(model.parameters()).device
-    if args.compile and device.type == "cuda":  # HF's fast path: static cache + compiled forward
+    compiled = args.compile and device.type == "cuda"
+    if compiled:  # HF's fast path: static cache + compiled forward
         kwargs["cache_implementation"] = "static"
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    for _ in range(2 if args.compile else 1):  # warm-up (and compilation) excluded
-        model.generate(torch.tensor([ids[0]], device=device), **kwargs)
+    # Warm-up (and compilation) excluded: compiled, every prompt length is a prefill shape of its own.
+    for x in (ids if compiled else ids[:1]):
+        for _ in range(2 if compiled else 1):
+            model.generate(torch.tensor([x], device=device), **kwargs)
     tokens, seconds = 0, 0.0
     for x in ids:
         if device.type == "cuda":
@@ -369,9 +382,13 @@ def evaluate(args) -> Path:
     longest = max(len(encode_turn(tokenizer, [{"role": "user", "content": t}], use_template)) for p in prompts for t in p)
     turns = max(len(p) for p in prompts)
     max_len = min(context, turns * (longest + args.max_new_tokens + 16) + 80)
-    runner = StaticCausalLM(verifier.model, max_len=max_len, device=args.device)
-    if args.compile and runner.static:
-        runner.compile()
+    eagle3_layers = tuple(heads.config.aux_layer_ids) if kind == "eagle" and heads.is_eagle3 else ()
+    runner = StaticCausalLM(verifier.model, max_len=max_len, device=args.device, static=True if args.compile else None)
+    compile_seconds = None
+    if args.compile:  # every size compiled and warmed up here, before anything is timed
+        runner.capture = eagle3_layers  # kept by every drafter's run: one set of graphs
+        planner = [1 + n for n in PLANNER_TREES] if kind == "medusa" else []
+        compile_seconds = runner.compile(verify_sizes(args) + planner)
 
     t0 = time.time()
     ar_records = run_prompts(runner, Drafter(), prompts, tokenizer, use_template, args, sampling, eos)
@@ -387,7 +404,6 @@ def evaluate(args) -> Path:
     trees = make_trees(args, heads, calibration)
 
     probe_prompt = encode_turn(tokenizer, [{"role": "user", "content": prompts[0][0]}], use_template)
-    eagle3_layers = tuple(heads.config.aux_layer_ids) if kind == "eagle" and heads.is_eagle3 else ()
     state = probe_state(runner, probe_prompt, sampling, eagle3_layers)
     t_decode = verify_cost(runner, Tree.chain(0), len(probe_prompt))
     costs = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
@@ -431,7 +447,7 @@ def evaluate(args) -> Path:
     if calibration is not None:  # trees of every size from the measured rank accuracies
         planner = planner or {}
         planner["trees"] = []
-        for size in (4, 8, 16, 32, 64):
+        for size in PLANNER_TREES:
             tree = build_tree(calibration["rank_accuracy"], size)
             cost = verify_cost(runner, tree, len(probe_prompt)) + t_draft.get(args.k, 0.0)
             tau_n = 1 + expected_accept_length(tree.paths, calibration["rank_accuracy"])
@@ -447,6 +463,7 @@ def evaluate(args) -> Path:
         "dtype": str(dtype).replace("torch.", ""), "dtype_choice": dtype_choice, "sampling": asdict(sampling), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "chat_template": use_template,
         "results": results, "costs": costs, "planner": planner, "hf_generate": hf, "calibration": calibration,
+        "compile": None if compile_seconds is None else {"seconds": compile_seconds, "buckets": list(runner.buckets)},
         "eval_seconds": time.time() - t0, "per_prompt": per_prompt,
     }
     plots = write_plots(summary, out_dir)

@@ -68,9 +68,12 @@ def draft_cost(drafter: Drafter, state: DraftState, repeats: int = 10) -> float:
     if drafter.wants_features:  # feed the prompt once; a round then feeds one new position and drafts
         drafter.propose(state)
         state = replace(state, new_features=state.new_features[-1:], new_tokens=state.new_tokens[-1:])
-    if hasattr(drafter, "runner"):  # model drafters keep a cache: re-propose from the same state each time
-        def run():
-            drafter.start(state, None)
+    if hasattr(drafter, "runner"):  # a model drafter: its prefill untimed, then rounds that feed one new token
+        drafter.propose(state)
+        keep, last = state.length - 1, state.tokens[state.length - 1:state.length]
+
+        def run():  # its cache rolled back to before the last context token, which it feeds again
+            drafter.runner.length, drafter.pending = keep, last
             drafter.propose(state)
     else:
         def run():

@@ -15,7 +15,7 @@ import torch
 
 from spectrain.heads.errors import SpectrainError
 
-from .accept import Sampling, accept, sample, target_probs
+from .accept import Sampling, accept, accept_greedy, sample, target_probs
 from .drafters import Drafter, DraftState
 from .static_model import StaticCausalLM
 
@@ -64,6 +64,9 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
                              f"tokens exceed the decoder's buffers ({verifier.max_len})")
     if not prompt:
         raise SpectrainError("empty prompt")
+    if verifier.buckets and verifier.bucket(drafter.max_nodes + 1) is None:  # would run eagerly: say so instead
+        raise SpectrainError(f"the decoder was compiled for forwards of up to {verifier.buckets[-1]} tokens; this "
+                             f"drafter verifies {drafter.max_nodes + 1}: include that size in compile()")
     mask_rows = verify_mask_rows(tree)
     depth_positions = torch.cat([tree.depth.new_zeros(1), tree.depth])
     static_tree, static_mask_rows, static_depth_positions = tree, mask_rows, depth_positions
@@ -73,7 +76,8 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
     _sync(device)
     t0 = time.perf_counter()
     verifier.reset()
-    verifier.capture = drafter.capture_layers
+    if drafter.capture_layers:  # else leave it: a compiled runner keeps the capture it was compiled with
+        verifier.capture = drafter.capture_layers
     hidden = verifier.forward(tokens[:len(prompt)])
     verifier.commit(len(prompt))
     root = sample(target_probs(verifier.logits(hidden[-1:]), sampling), generator)
@@ -104,9 +108,12 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         ids = torch.cat([state.tokens[state.length - 1:state.length], proposal.tokens])
         base = verifier.length
         hidden = verifier.forward(ids, positions=base + depth_positions, mask=verifier.tree_mask(mask_rows))
-        q = target_probs(verifier.logits(hidden), sampling)[None]
-        probs = None if proposal.probs is None else proposal.probs[None]
-        verdict = accept(q, proposal.tokens[None], tree, probs, generator)
+        logits = verifier.logits(hidden)
+        if sampling.greedy:  # compare argmaxes: no vocabulary-sized one-hot q, no random draws
+            verdict = accept_greedy(logits.argmax(-1)[None], proposal.tokens[None], tree)
+        else:
+            probs = None if proposal.probs is None else proposal.probs[None]
+            verdict = accept(target_probs(logits, sampling)[None], proposal.tokens[None], tree, probs, generator)
         path_tokens = proposal.tokens.gather(0, verdict.path[0].clamp_min(0)) if n else verdict.bonus[:0]
         # The round's one host sync: accept length, path, its tokens and the bonus together.
         a, *rest = torch.cat([verdict.accept_length, verdict.path[0], path_tokens, verdict.bonus]).tolist()

@@ -334,7 +334,7 @@ class DynamicTreeDrafter(ModelDrafter):
             start = base + len(slot)
             for j, node in enumerate(frontier):
                 slot[node] = start + j
-            mask = torch.zeros(len(frontier), runner.max_len, dtype=torch.bool, device=runner.device)
+            mask = torch.zeros(len(frontier), runner.width, dtype=torch.bool, device=runner.device)
             mask[:, :base] = True
             for j, node in enumerate(frontier):
                 path = paths[node]

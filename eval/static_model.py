@@ -4,7 +4,7 @@ HF's own cache classes differ between transformers releases and cannot drop the
 rejected entries of a tree. This module runs the same weights with our own
 forward (Llama, Mistral, Qwen2 and Qwen3 decoder layers) so that:
 
-* K/V live in buffers allocated once (layers x kv_heads x max_len x head_dim);
+* K/V live in buffers allocated once (per layer: kv_heads x max_len x head_dim);
 * a forward writes its n new tokens at cache slots ``length .. length+n-1`` and
   attends through an explicit (n, max_len) boolean mask, so trees are verified
   with tree masks and depth-based positions;
@@ -15,6 +15,8 @@ forward (Llama, Mistral, Qwen2 and Qwen3 decoder layers) so that:
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -31,20 +33,48 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache(nn.Module):
-    """Preallocated keys and values for every layer: (layers, 1, kv_heads, max_len, head_dim)."""
+    """Preallocated keys and values: one buffer per layer and kind, each (1, kv_heads, max_len, head_dim).
+
+    Separate buffers, not slices of one (layers, ...) tensor: under Inductor an in-place ``index_copy_`` into a
+    slice of a larger buffer is functionalized into a copy of the whole base out and back, on every layer of
+    every forward; into a buffer of its own it stays in place.
+    """
 
     def __init__(self, num_layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
         super().__init__()
-        shape = (num_layers, 1, kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (1, kv_heads, max_len, head_dim)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for i in range(num_layers):
+            for kind, bufs in (("k", self.k), ("v", self.v)):
+                self.register_buffer(f"{kind}{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+                bufs.append(getattr(self, f"{kind}{i}"))
         self.max_len = max_len
 
     def compact(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move entries at ``src_slots`` (ascending) to ``dst_start, dst_start+1, ...``."""
         dst = torch.arange(dst_start, dst_start + src_slots.numel(), device=src_slots.device)
-        for buf in (self.k, self.v):
-            buf.index_copy_(3, dst, buf.index_select(3, src_slots))
+        for buf in self.k + self.v:
+            buf.index_copy_(2, dst, buf.index_select(2, src_slots))
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Attention of (1, heads, n, d) queries over (1, kv_heads, span, d) keys and values through a (1, 1, n, span)
+    boolean mask; (1, heads, n, d) out.
+
+    With grouped-query attention (heads = groups x kv_heads) the groups are folded into the query dimension:
+    (1, kv_heads, groups * n, d) queries over the keys as they are. SDPA's ``enable_gqa=True`` with a boolean
+    mask takes the math path (K/V repeated over every group for the whole span, scores in fp32); folded, every
+    backend may take it and nothing is repeated but the n-row mask.
+    """
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    if heads == kv_heads:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    groups, n, d = heads // kv_heads, q.shape[2], q.shape[3]
+    folded = q.reshape(1, kv_heads, groups * n, d)  # head h = kv * groups + g, as HF's repeat_kv pairs them
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.repeat(1, 1, groups, 1), scale=scale)
+    return out.view(1, heads, n, d)
 
 
 class StaticCausalLM:
@@ -54,7 +84,7 @@ class StaticCausalLM:
     once per decode round, after the round's single host sync).
     """
 
-    def __init__(self, model, max_len: int, device: torch.device | str | None = None):
+    def __init__(self, model, max_len: int, device: torch.device | str | None = None, static: bool | None = None):
         config = model.config
         if config.model_type not in SUPPORTED:
             raise SpectrainError(f"the static-cache decoder supports {', '.join(SUPPORTED)} models, "
@@ -77,9 +107,16 @@ class StaticCausalLM:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.kv_heads = config.num_key_value_heads
-        self.static = self.device.type == "cuda"
-        self.cache = KVCache(len(self.inner.layers), self.kv_heads, max_len, self.head_dim, self.dtype, self.device)
+        # Static shapes (attention over the whole buffer, so a forward's shapes depend on n only): what a CUDA
+        # graph and a compiled graph need. The default on CUDA; ``static=True`` runs the same path on a CPU.
+        self.static = self.device.type == "cuda" if static is None else static
+        # Static runs pad a forward to a compiled size; the padding rows write one scratch slot past max_len.
+        self.width = max_len + 1 if self.static else max_len
+        self.cache = KVCache(len(self.inner.layers), self.kv_heads, self.width, self.head_dim, self.dtype, self.device)
         self.max_len = max_len
+        self.buckets: tuple[int, ...] = ()  # the compiled forward sizes (static runs; see compile())
+        self._compiled = None
+        self._padding: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.length = 0
         # HF hidden_states indices to keep from each forward in ``aux`` (n, len * H), for EAGLE-3 drafters.
         self.capture: tuple[int, ...] = ()
@@ -87,14 +124,14 @@ class StaticCausalLM:
 
     # -- masks ------------------------------------------------------------------------------------------------
     def chain_mask(self, n: int) -> torch.Tensor:
-        """(n, max_len): query i sees every committed slot and the new slots up to itself."""
-        slots = torch.arange(self.max_len, device=self.device)
+        """(n, width): query i sees every committed slot and the new slots up to itself."""
+        slots = torch.arange(self.width, device=self.device)
         return slots[None, :] <= self.length + torch.arange(n, device=self.device)[:, None]
 
     def tree_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
-        """(n, max_len) from an (n, n) ancestor-or-self matrix over the new tokens."""
+        """(n, width) from an (n, n) ancestor-or-self matrix over the new tokens."""
         n = ancestors.shape[0]
-        mask = torch.zeros(n, self.max_len, dtype=torch.bool, device=self.device)
+        mask = torch.zeros(n, self.width, dtype=torch.bool, device=self.device)
         mask[:, :self.length] = True
         mask[:, self.length:self.length + n] = ancestors
         return mask
@@ -108,7 +145,7 @@ class StaticCausalLM:
         Args:
             input_ids: (n,) token ids.
             positions: (n,) rotary positions (tree: ``length + depth``); default ``length + arange(n)``.
-            mask: (n, max_len) bool, True = may attend; default causal over the chain.
+            mask: (n, width) bool, True = may attend; default causal over the chain.
         Returns:
             (n, H) final hidden states (after the final norm).
         """
@@ -120,13 +157,40 @@ class StaticCausalLM:
             positions = slots
         if mask is None:
             mask = self.chain_mask(n)
-        if self.static:
-            return self._run(input_ids, positions, mask, slots)
-        span = self.length + n  # CPU: attend over the filled part only
-        return self._run_eager(input_ids, positions, mask[:, :span], slots, span)
+        if not self.static:
+            span = self.length + n  # attend over the filled part only
+            out, self.aux = self._run_eager(input_ids, positions, mask[:, :span], slots, span)
+            return out
+        size = self.bucket(n)
+        if size is None:  # past every compiled size (a long prefill), or nothing compiled: eager, static shapes
+            out, self.aux = self._run_eager(input_ids, positions, mask, slots, self.width)
+            return out
+        if size > n:
+            input_ids, positions, mask, slots = self._pad(size - n, input_ids, positions, mask, slots)
+        elif positions is slots:  # Dynamo guards on aliasing: one tensor as both would be a graph of its own
+            positions = slots.clone()
+        out, aux = self._compiled(input_ids, positions, mask, slots)
+        # Clone: a CUDA graph's outputs are overwritten by its next replay (EAGLE-3 reads aux after it).
+        self.aux = None if aux is None else aux[:n].clone()
+        return out[:n].clone()
+
+    def bucket(self, n: int) -> int | None:
+        """The compiled size a forward of n tokens runs at: the smallest one >= n (None past them all)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _pad(self, extra: int, input_ids, positions, mask, slots):
+        """Append ``extra`` padding rows: they write the scratch slot, attend only to it, and are cut off."""
+        if extra not in self._padding:
+            pad_mask = torch.zeros(extra, self.width, dtype=torch.bool, device=self.device)
+            pad_mask[:, self.max_len] = True
+            self._padding[extra] = (pad_mask, torch.full((extra,), self.max_len, device=self.device))
+        pad_mask, pad_slots = self._padding[extra]
+        return (torch.cat([input_ids, input_ids.new_zeros(extra)]), torch.cat([positions, positions[-1:].expand(extra)]),
+                torch.cat([mask, pad_mask]), torch.cat([slots, pad_slots]))
 
     def _run_eager(self, input_ids, positions, mask, slots, span):
-        """The forward as a pure function of tensors (CUDA: ``span == max_len``, so shapes depend on n only)."""
+        """The forward as a pure function of tensors (CUDA: ``span == max_len``, so shapes depend on n only):
+        (n, H) final hidden states and the captured layers (n, len(capture) * H), or None."""
         x = self.inner.embed_tokens(input_ids)[None]  # (1, n, H)
         cos, sin = self.inner.rotary_emb(x, positions[None])
         cos, sin = cos[:, None], sin[:, None]  # (1, 1, n, d)
@@ -138,28 +202,52 @@ class StaticCausalLM:
             if i + 1 in self.capture and i + 1 < last:  # HF hidden_states[i+1]: the output of layer i
                 captured.append(x[0])
         out = self.inner.norm(x)[0]
-        if self.capture:  # hidden_states[N] is the final (normed) state in HF's convention
-            captured += [out] if last in self.capture else []
-            self.aux = torch.cat(captured, -1)
-        return out
+        if not self.capture:
+            return out, None
+        captured += [out] if last in self.capture else []  # hidden_states[N] is the final (normed) state in HF's
+        return out, torch.cat(captured, -1)  # convention
 
-    def _run(self, input_ids, positions, mask, slots):
-        return self._graph(input_ids, positions, mask, slots)
+    def compile(self, sizes, mode: str | None = "auto", backend="inductor") -> float:
+        """Compile the forward for the verify sizes a run will use, warm every compiled size up, and return the
+        seconds that took (report it apart: never inside a timed region).
 
-    def compile(self) -> "StaticCausalLM":
-        """CUDA: capture the forward with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs, one per n).
-
-        Every input is a tensor and every shape depends only on n, so each verify size is captured once.
+        ``sizes`` (the AR step's 1, each drafter's ``max_nodes + 1``, ...) are bucketed: the sizes themselves
+        plus the powers of two between them, so a size that varies by round (a dynamic tree, a hybrid's merged
+        branch, short prefills) pads up to a compiled neighbour instead of compiling again. Longer forwards (a
+        long prefill) run eagerly with the same static shapes. One graph per bucket, ``fullgraph=True`` (a graph
+        break is an error, not a silent eager piece); ``mode="auto"``: CUDA graphs on CUDA (``reduce-overhead``),
+        Inductor's default elsewhere. Needs a static runner (the default on CUDA; ``static=True``).
         """
-        self._compiled = torch.compile(lambda ids, pos, mask, slots: self._run_eager(ids, pos, mask, slots, self.max_len),
-                                       mode="reduce-overhead", dynamic=False, fullgraph=False)
-        return self
+        if not self.static:
+            raise SpectrainError("compile() needs static shapes: StaticCausalLM(..., static=True) (the CUDA default)")
+        if self.length:
+            raise SpectrainError("compile() warms up on an empty cache: call it before decoding")
+        sizes = sorted({int(s) for s in sizes if 1 <= int(s) <= self.max_len})
+        if not sizes:
+            raise SpectrainError("compile() needs at least one forward size in 1..max_len")
+        powers = [1 << i for i in range(sizes[-1].bit_length()) if sizes[0] < 1 << i < sizes[-1]]
+        self.buckets = tuple(sorted(set(sizes) | set(powers)))
+        if mode == "auto":
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+        options = {"mode": mode} if backend == "inductor" else {}  # another backend (a counter, in tests): as is
+        import torch._dynamo.config as dynamo_config
 
-    def _graph(self, input_ids, positions, mask, slots):
-        fn = getattr(self, "_compiled", None)
-        if fn is None:
-            return self._run_eager(input_ids, positions, mask, slots, self.max_len)
-        return fn(input_ids, positions, mask, slots).clone()  # clone: graph outputs are overwritten by the next replay
+        # One cache entry per bucket on this one code object (the default limit of 8 would send the rest to eager).
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(self.buckets) + 8)
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
+                                                        8 * len(self.buckets) + 64)
+        self._compiled = torch.compile(self._run_static, backend=backend, dynamic=False, fullgraph=True, **options)
+        t0 = time.perf_counter()
+        for size in self.buckets:
+            ids = torch.zeros(size, dtype=torch.long, device=self.device)
+            for _ in range(3):  # compile, then CUDA graph warm-up and capture
+                self.forward(ids)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _run_static(self, input_ids, positions, mask, slots):
+        return self._run_eager(input_ids, positions, mask, slots, self.width)
 
     def _layer(self, i, layer, x, cos, sin, slots, mask, span):
         """One decoder layer: attention over the cache through ``mask`` (1, 1, n, span), then the MLP."""
@@ -177,8 +265,7 @@ class StaticCausalLM:
         self.cache.k[i].index_copy_(2, slots, k.to(self.dtype))
         self.cache.v[i].index_copy_(2, slots, v.to(self.dtype))
         keys, values = self.cache.k[i][:, :, :span], self.cache.v[i][:, :, :span]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=q.shape[1] != keys.shape[1])
+        out = grouped_attention(q, keys, values, mask, self.scaling)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 

@@ -88,8 +88,8 @@ def test_kv_rollback_equals_fresh_prefill(verifier):
     fresh = StaticCausalLM(model, max_len=128)
     fresh.forward(torch.tensor(kept))
     n = len(kept)
-    torch.testing.assert_close(runner.cache.k[:, :, :, :n], fresh.cache.k[:, :, :, :n], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(runner.cache.v[:, :, :, :n], fresh.cache.v[:, :, :, :n], rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(runner.cache.k + runner.cache.v, fresh.cache.k + fresh.cache.v):
+        torch.testing.assert_close(ours[:, :, :n], theirs[:, :, :n], rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------ exact sampling distribution
@@ -224,6 +224,82 @@ def test_tree_second_sibling_matches():
     verdict = accept(q, torch.tensor([[2, 3, 6]]), tree)
     assert verdict.accept_length.tolist() == [2] and verdict.path.tolist() == [[1, 2]]
     assert verdict.bonus.tolist() == [4]
+
+
+def random_tree(rng: torch.Generator, max_nodes: int = 12, width: int = 3) -> Tree:
+    paths = []
+    while len(paths) < max_nodes:
+        options = [()] + paths  # the root, or any node
+        parent = options[int(torch.randint(len(options), (1,), generator=rng))]
+        kids = sum(1 for p in paths if len(p) == len(parent) + 1 and tuple(p[:-1]) == tuple(parent))
+        if kids < width:
+            paths.append(tuple(parent) + (kids,))
+    return Tree.from_paths([list(p) for p in paths])
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree", "empty"])
+def test_greedy_fast_path_equals_the_general_rule(shape):
+    """accept_greedy (argmax ids) gives the same path, accept length and bonus as accept() on one-hot q, on
+    random trees and drafts biased to hit, and it draws no random numbers."""
+    from spectrain.eval.accept import accept_greedy
+
+    rng = torch.Generator().manual_seed(7)
+    vocab, N = 5, 64
+    for trial in range(20):
+        tree = {"chain": Tree.chain(1 + trial % 6), "empty": Tree.chain(0)}.get(shape) or random_tree(rng)
+        n = tree.size
+        target = torch.randint(vocab, (N, n + 1), generator=rng)
+        drafts = torch.randint(vocab, (N, n), generator=rng)
+        if n:  # make most drafts the target after their parent, so long paths occur
+            parent_col = (tree.parent + 1).clamp_min(0)
+            hit = torch.rand(N, n, generator=rng) < 0.7
+            drafts = torch.where(hit, target[:, parent_col], drafts)
+        general = accept(torch.nn.functional.one_hot(target, vocab).float(), drafts, tree,
+                         generator=torch.Generator().manual_seed(0))
+        state = torch.get_rng_state()
+        fast = accept_greedy(target, drafts, tree)
+        assert torch.equal(torch.get_rng_state(), state)
+        assert torch.equal(fast.accept_length, general.accept_length)
+        assert torch.equal(fast.path, general.path) and torch.equal(fast.bonus, general.bonus)
+        if shape == "tree":
+            assert (general.accept_length >= 2).any()
+
+
+def test_a_bonus_is_never_drawn_from_an_exhausted_residual(monkeypatch):
+    """Candidates covering q's whole support are accepted with probability 1 in exact arithmetic; rounding can
+    reject them all (forced here by u = 1). The bonus must then still come from q's support, not be token 0
+    (what sampling an all-zero row gives)."""
+    q = torch.zeros(1, 3, 8)
+    q[0, 0, 5], q[0, 0, 6] = 0.75, 0.25  # the root's q: tokens 5 and 6 only
+    q[0, 1:, 1] = 1.0
+    tree = Tree.from_paths([[0], [1]])  # two siblings: 5 and 6, together q's support
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(*a[0] if isinstance(a[0], tuple) else a))
+    verdict = accept(q, torch.tensor([[5, 6]]), tree, generator=torch.Generator().manual_seed(0))
+    assert verdict.accept_length.tolist() == [0] and verdict.bonus.item() in (5, 6)
+    # Sampled chain: q == p, so (q - p)+ is all zero after a (forced) rejection.
+    p = q[:, 1:2].clone()
+    p[0, 0] = q[0, 0]
+    verdict = accept(q[:, :2], torch.tensor([[5]]), Tree.chain(1), p, generator=torch.Generator().manual_seed(0))
+    assert verdict.accept_length.tolist() == [0] and verdict.bonus.item() in (5, 6)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
+def test_grouped_attention_folds_groups_into_queries(heads, kv_heads):
+    """GQA without repeating K/V: the head groups folded into the query rows give what SDPA's own GQA gives,
+    through a tree mask (each query sees a different subset of the keys)."""
+    import torch.nn.functional as F
+
+    from spectrain.eval.static_model import grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    n, span, d = 5, 12, 8
+    q = torch.randn(1, heads, n, d, generator=g)
+    keys, values = torch.randn(2, 1, kv_heads, span, d, generator=g)
+    mask = torch.rand(1, 1, n, span, generator=g) < 0.6
+    mask[..., 0] = True
+    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.3,
+                                          enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(grouped_attention(q, keys, values, mask, 0.3), want, rtol=1e-5, atol=1e-6)
 
 
 def test_malformed_tree_specs():
