@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -255,7 +256,11 @@ def run(args) -> Path:
                "vllm_greedy_equals_our_ar": f"{ar_match}/{len(prompt_ids)}", "baseline_seconds": base["generate_seconds"],
                "drafters": records, "all_ok": ok_all, "seconds": round(time.time() - start, 1)}
     note = f"vLLM greedy (no drafter) equals our AR greedy on {ar_match}/{len(prompt_ids)} prompts"
-    return finish(summary, out / "engine_check.json", [table, note])
+    path = finish(summary, out / "engine_check.json", [table, note])
+    if not ok_all:
+        print("engine check: FAILED (see the check column)", file=sys.stderr)
+        raise SystemExit(1)
+    return path
 
 
 if __name__ == "__main__":  # the vLLM runner subprocess is spawned; this guard keeps imports side-effect free

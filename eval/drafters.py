@@ -82,6 +82,7 @@ class MedusaDrafter(Drafter):
         super().__init__(tree)
         self.heads, self.lm_head = heads.to(verifier_lm_head.weight.device, verifier_lm_head.weight.dtype), verifier_lm_head
         self.max_rank = int(tree.rank.max()) + 1 if tree.size else 1
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # (head, rank) per node, on the device
 
     def _logits_many(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (K, ..., V) fp32 head logits."""
@@ -95,7 +96,9 @@ class MedusaDrafter(Drafter):
             return super().propose(state)
         logits = self._logits(state.hidden)  # (K, V)
         top = logits.topk(self.max_rank, dim=-1).indices  # (K, R)
-        return Proposal(tokens=top[self.tree.depth - 1, self.tree.rank])
+        if self._index is None or self._index[0].device != top.device:  # once: no host-to-device copy per round
+            self._index = (self.tree.depth.to(top.device) - 1, self.tree.rank.to(top.device))
+        return Proposal(tokens=top[self._index])
 
 
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches (vLLM's default prompt_lookup_max is 4; 3 measured here)
@@ -479,7 +482,7 @@ class EagleTreeDrafter(EagleChainDrafter):
         return proposal
 
     def _static(self, root_logp, root_out, base):
-        tree = self.static.to(root_logp.device)
+        tree = self.static  # its tensors stay on the host: read there, never synced from the device
         max_rank = int(tree.rank.max()) + 1
         tokens = torch.zeros(tree.size, dtype=torch.long, device=root_logp.device)
         slot = {}

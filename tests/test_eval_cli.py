@@ -127,6 +127,7 @@ def test_gpu_check_script_cpu_path(tmp_path):
     path = main(["--small", "--device", "cpu", "--out", str(tmp_path), "--num_prompts", "2", "--max_new_tokens", "16"])
     summary = json.loads(path.read_text())
     assert summary["checks"]["fp32_greedy_identical"] == {"chain-4": True, "tree-32": True}
+    assert summary["passed"] is True  # on a CPU only correctness is required (the speed targets are GPU targets)
     assert set(summary["bf16"]["results"]) == {"ar", "chain-4", "tree-32"}
     assert summary["bf16"]["hf_generate"]["tokens_per_second"] > 0
 
