@@ -1,7 +1,8 @@
 """GPU check: train a ~30M-parameter verifier and its Medusa heads on the GPU, then race AR vs HF ``generate()``
-vs Medusa chain vs Medusa tree (batch 1, bf16, 256 new tokens) and check the targets.
+vs Medusa chain vs Medusa tree (batch 1, bf16, 256 new tokens) and check the targets. The heads are trained by the
+recipe ``configs/medusa_gpu_check.yaml`` through ``train_medusa``'s module (on a plain Lightning Trainer).
 
-Needs only torch, transformers and safetensors (plus this package installed with ``--no-deps``):
+Needs only torch, transformers, lightning and safetensors (plus this package installed with ``--no-deps``):
 
     python benchmarks/gpu_check.py                 # on a CUDA machine, about 3-4 minutes
     python benchmarks/gpu_check.py --small --device cpu   # the same path, tiny sizes (tested in CI)
@@ -24,16 +25,12 @@ import torch
 from spectrain.data.bundled import bundled_text_path, split_text, train_tokenizer
 from spectrain.data.text import tokenize_lines
 from spectrain.eval.cli import evaluate, parse_args as eval_args
-from spectrain.heads.medusa import MedusaHeads
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.schedule import cosine_with_warmup
-from spectrain.heads.verifier import verifier_features
 
-from spectrain.train.losses import projected_cross_entropy, projected_topk
-
-SIZES = {  # hidden, layers, heads, intermediate, verifier steps, head steps, batch, block
-    "full": (576, 8, 9, 1536, 1500, 600, 64, 256),
-    "small": (64, 2, 2, 128, 30, 20, 8, 64),
+SIZES = {  # the verifier: hidden, layers, heads, intermediate, steps, batch, block (the heads: configs/, RECIPE)
+    "full": (576, 8, 9, 1536, 1500, 64, 256),
+    "small": (64, 2, 2, 128, 30, 8, 64),
 }
 
 
@@ -51,7 +48,7 @@ def autocast(device):
 def train_verifier(out: Path, size: str, device, log) -> tuple[Path, dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden, layers, heads, inter, steps, _, batch, block = SIZES[size]
+    hidden, layers, heads, inter, steps, batch, block = SIZES[size]
     train_text, val_text = split_text(bundled_text_path().read_text())
     tok = train_tokenizer(train_text, 2048)
     train_ids = torch.tensor(tokenize_lines(tok, train_text.splitlines(keepends=True)))
@@ -93,43 +90,54 @@ def train_verifier(out: Path, size: str, device, log) -> tuple[Path, dict]:
     return out, info
 
 
-def train_heads(verifier_dir: Path, out: Path, size: str, device, log) -> dict:
-    from transformers import AutoModelForCausalLM
+RECIPE = "medusa_gpu_check.yaml"  # configs/: the heads' GPU recipe
 
-    _, _, _, _, _, steps, batch, block = SIZES[size]
-    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model.to(device).eval().requires_grad_(False)
-    heads = MedusaHeads.for_verifier(model, num_heads=4, num_layers=1, verifier_name=str(verifier_dir)).to(device)
-    lm_head = model.get_output_embeddings()
-    train_text, _ = split_text(bundled_text_path().read_text())
+
+def token_rows(tokenizer, text: str, block: int) -> list[dict]:
+    """``block``-token windows of ``text``, every token a target (what train_medusa makes of plain text)."""
+    ids = torch.tensor(tokenize_lines(tokenizer, text.splitlines(keepends=True)))
+    n = len(ids) // block
+    return [{"input_ids": b, "attention_mask": torch.ones_like(b), "loss_mask": torch.ones_like(b)}
+            for b in ids[:n * block].view(n, block)]
+
+
+def train_heads(verifier_dir: Path, out: Path, size: str, device, log) -> dict:
+    """Medusa heads by the recipe ``configs/medusa_gpu_check.yaml``: the module ``train_medusa`` builds from it,
+    on a plain Lightning Trainer with the recipe's trainer settings (a bare GPU image has no jsonargparse for the
+    CLI), on token blocks of the bundled text. ``small``: the same with tiny blocks and a few steps."""
+    from importlib import resources
+
+    import lightning as L
+    import yaml
+    from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(verifier_dir)
-    ids = torch.tensor(tokenize_lines(tok, train_text.splitlines(keepends=True)))
-    data = batches(ids, batch, block, torch.Generator().manual_seed(1), device)
-    opt = torch.optim.AdamW(heads.parameters(), lr=3e-3, betas=(0.9, 0.95), fused=True)
+    from spectrain.train.medusa import MedusaModule
+
+    recipe = yaml.safe_load((resources.files("spectrain.configs") / RECIPE).read_text())
+    block, batch, steps = (recipe["data"]["block_size"], recipe["data"]["batch_size"], recipe["trainer"]["max_steps"])
+    if size == "small":
+        block, batch, steps = 64, 8, 20
+    L.seed_everything(recipe["seed_everything"], verbose=False)
+    module = MedusaModule(**{**recipe["model"], "verifier": str(verifier_dir)})
+    tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
+    train_text, val_text = split_text(bundled_text_path().read_text())
+    loader = DataLoader(token_rows(tokenizer, train_text, block), batch_size=batch, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(0), pin_memory=device.type == "cuda")
+    val_loader = DataLoader(token_rows(tokenizer, val_text, block)[:4 * batch], batch_size=batch)
+    settings = {**recipe["trainer"], "max_steps": steps, "val_check_interval": steps,
+                "accelerator": "gpu" if device.type == "cuda" else "cpu",
+                "precision": recipe["trainer"]["precision"] if device.type == "cuda" else "32-true"}
+    trainer = L.Trainer(**settings, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
     t0 = time.time()
-    for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = 3e-3 * cosine_with_warmup(step, 20, steps, 0.1)
-        x = next(data)[:, :-1]
-        with torch.no_grad(), autocast(device):
-            hidden, _ = verifier_features(model, x)
-            greedy = projected_topk(hidden, lm_head.weight, k=1)[..., 0]
-        with autocast(device):
-            loss = 0.0
-            for k, state in enumerate(heads.head_states(hidden.float())):  # head k+1 learns greedy[t+k+1]
-                weight, bias = heads.lm_head_params(k, lm_head)
-                rows = state[:, :x.shape[1] - k - 2].reshape(-1, state.shape[-1])
-                loss = loss + 0.8 ** k * projected_cross_entropy(rows, weight, bias,
-                                                                 target_ids=greedy[:, k + 1:-1].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % 200 == 0:
-            log(f"heads step {step}/{steps} loss {float(loss.detach()):.3f}")
-    heads.float().save_pretrained(out)
-    return {"steps": steps, "train_seconds": time.time() - t0}
+    trainer.fit(module, loader, val_loader)
+    log(f"heads: {trainer.global_step} steps, {module.trained_tokens} tokens in {module.train_seconds:.0f}s, "
+        f"validation {module.last_val_metrics}")
+    module.export(out, module.plain_drafter().float())
+    return {"recipe": f"configs/{RECIPE}", "steps": trainer.global_step, "trained_tokens": module.trained_tokens,
+            "train_seconds": module.train_seconds, "wall_seconds": time.time() - t0,
+            "validation": module.last_val_metrics}
 
 
 def main(argv=None) -> Path:
@@ -155,7 +163,7 @@ def main(argv=None) -> Path:
               "--prompts", "bundled:tinyshakespeare", "--prompt_tokens", "64", "--k", "4"]
     fast = json.loads(evaluate(eval_args(common + [
         "--dtype", "bfloat16" if device.type == "cuda" else "float32", "--tree", "auto:32",
-        "--compile", "--num_prompts", str(args.num_prompts), "--max_new_tokens", str(args.max_new_tokens),
+        *(["--compile"] if device.type == "cuda" else []), "--num_prompts", str(args.num_prompts), "--max_new_tokens", str(args.max_new_tokens),
         "--hf_generate", "3", "--out", str(out / "bf16")])).read_text())
     exact = json.loads(evaluate(eval_args(common + [
         "--dtype", "float32", "--tree", "auto:32", "--num_prompts", "3", "--max_new_tokens", "64",

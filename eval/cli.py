@@ -151,7 +151,7 @@ PLANNER_TREES = (4, 8, 16, 32, 64)  # the Medusa planner's tree sizes
 
 def verify_sizes(args) -> list[int]:
     """Every verifier forward size this job decodes with: AR's 1, and 1 + each chain, tree or dynamic-tree
-    budget (a compiled decoder is compiled for these; the planner's chains 1..k pad up to them)."""
+    budget."""
     if args.method == "none":
         return [1]
     sizes = [args.k]
@@ -198,7 +198,22 @@ def make_trees(args, drafter_heads, calibration) -> dict[str, Tree]:
     return trees
 
 
-def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "") -> Drafter:
+def draft_model(args, verifier, loaded: dict):
+    """``--draft_model`` in the verifier's dtype, loaded once per job (``loaded`` keeps it across settings)."""
+    if not args.draft_model:
+        raise SpectrainError(f"--method {args.method} needs --draft_model")
+    if args.draft_model not in loaded:
+        model = load_verifier(args.draft_model, dtype=next(verifier.model.parameters()).dtype, device=args.device).model
+        if model.get_output_embeddings().weight.shape[0] != verifier.model.get_output_embeddings().weight.shape[0]:
+            raise SpectrainError("the draft model's vocabulary differs from the verifier's")
+        loaded[args.draft_model] = model
+    return loaded[args.draft_model]
+
+
+def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "",
+                  loaded: dict | None = None) -> Drafter:
+    """The drafter of one setting; ``loaded`` caches a ``--draft_model`` across the job's settings."""
+    loaded = {} if loaded is None else loaded
     if args.method == "hybrid":
         return build_hybrid(args, tree, verifier, heads, name)
     if name.startswith("dynamic"):
@@ -206,7 +221,7 @@ def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "
         if args.method == "eagle":
             return EagleTreeDrafter(heads, verifier.model, dynamic=(depth, topk, budget))
         model = (truncated_verifier(verifier.model, args.draft_layers) if args.method == "truncated"
-                 else load_verifier(args.draft_model, dtype=next(verifier.model.parameters()).dtype, device=args.device).model)
+                 else draft_model(args, verifier, loaded))
         return DynamicTreeDrafter(model, depth, topk, budget, max_len)
     if args.method == "medusa":
         return MedusaDrafter(heads, verifier.model.get_output_embeddings(), tree)
@@ -218,12 +233,7 @@ def build_drafter(args, tree: Tree, verifier, heads, max_len: int, name: str = "
     if args.method == "truncated":
         return ModelDrafter(truncated_verifier(verifier.model, args.draft_layers), tree.size, max_len)
     if args.method == "draft-model":
-        if not args.draft_model:
-            raise SpectrainError("--method draft-model needs --draft_model")
-        draft = load_verifier(args.draft_model, dtype=next(verifier.model.parameters()).dtype, device=args.device).model
-        if draft.get_output_embeddings().weight.shape[0] != verifier.model.get_output_embeddings().weight.shape[0]:
-            raise SpectrainError("the draft model's vocabulary differs from the verifier's")
-        return ModelDrafter(draft, tree.size, max_len)
+        return ModelDrafter(draft_model(args, verifier, loaded), tree.size, max_len)
     return Drafter()
 
 
@@ -387,7 +397,7 @@ def evaluate(args) -> Path:
     compile_seconds = None
     if args.compile:  # every size compiled and warmed up here, before anything is timed
         runner.capture = eagle3_layers  # kept by every drafter's run: one set of graphs
-        planner = [1 + n for n in PLANNER_TREES] if kind == "medusa" else []
+        planner = list(range(2, args.k + 2)) + ([1 + n for n in PLANNER_TREES] if kind == "medusa" else [])
         compile_seconds = runner.compile(verify_sizes(args) + planner)
 
     t0 = time.time()
@@ -400,7 +410,8 @@ def evaluate(args) -> Path:
         probe = MedusaDrafter(heads, verifier.model.get_output_embeddings(), Tree.chain(heads.config.num_heads))
         seqs = [t["sequence"] for r in ar_records for t in r["turns"]]
         starts = [t["prompt_tokens"] for r in ar_records for t in r["turns"]]
-        calibration = medusa_diagnostics(runner, probe, seqs, starts, temperature=max(args.temperature, 1.0))
+        calibration = medusa_diagnostics(runner, probe, seqs, starts, temperature=max(args.temperature, 1.0),
+                                         decoding=sampling)
     trees = make_trees(args, heads, calibration)
 
     probe_prompt = encode_turn(tokenizer, [{"role": "user", "content": prompts[0][0]}], use_template)
@@ -408,8 +419,9 @@ def evaluate(args) -> Path:
     t_decode = verify_cost(runner, Tree.chain(0), len(probe_prompt))
     costs = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
     t_verify, t_draft = {}, {}
+    loaded: dict = {}  # a --draft_model, loaded once for every setting
     for name, tree in trees.items():
-        drafter = build_drafter(args, tree, verifier, heads, max_len, name)
+        drafter = build_drafter(args, tree, verifier, heads, max_len, name, loaded)
         records = run_prompts(runner, drafter, prompts, tokenizer, use_template, args, sampling, eos)
         # A hybrid's lookup branch reaches k deep whatever the learned tree's depth.
         summary = summarize(records, max(tree.max_depth, args.k) if args.method == "hybrid" else tree.max_depth)
@@ -439,7 +451,8 @@ def evaluate(args) -> Path:
         for n in range(1, depth + 1):
             if n not in t_verify:
                 t_verify[n] = verify_cost(runner, Tree.chain(n), len(probe_prompt))
-                t_draft[n] = draft_cost(build_drafter(args, Tree.chain(n), verifier, heads, max_len), state) \
+                t_draft[n] = draft_cost(build_drafter(args, Tree.chain(n), verifier, heads, max_len, loaded=loaded),
+                                        state) \
                     if kind != "medusa" else t_draft.get(depth, 0.0)
         planner = {"chains": plan(chain["alpha"], t_decode, t_verify, t_draft)}
         planner["best_chain"] = max(planner["chains"], key=lambda r: r["expected_speedup"], default=None)

@@ -19,7 +19,7 @@ from spectrain.heads.medusa import MedusaHeads
 
 from .accept import Sampling, sample, target_probs
 from .static_model import StaticCausalLM
-from .tree import Tree
+from .tree import DeviceTree, Tree
 
 
 @dataclass
@@ -451,21 +451,27 @@ class EagleTreeDrafter(EagleChainDrafter):
     def max_nodes(self) -> int:
         return self.static.size if self.static is not None else self.dynamic[2]
 
-    def _run_frontier(self, tokens, parent_out, depth: int, ancestor_slots: list[list[int]], base: int, scratch):
-        """One drafter pass over m frontier nodes; returns their outputs (m, h) and log-probs (m, V)."""
-        m = tokens.shape[0]
+    def _run_frontier(self, tokens, parent_out, depth: int, base: int, mask: torch.Tensor, scratch):
+        """One drafter pass over m frontier nodes at ``depth``: each sees the (m, past + m) ``mask`` row over the
+        committed cache, the scratch entries of earlier depths and this pass. Returns their outputs (m, h),
+        log-probs (m, V) and the scratch K/V with theirs appended."""
         k_all, v_all = scratch
-        past = k_all.shape[2]
-        mask = torch.zeros(1, 1, m, past + m, dtype=torch.bool, device=tokens.device)
-        mask[..., :base] = True
-        for j, slots in enumerate(ancestor_slots):
-            mask[0, 0, j, slots] = True
-            mask[0, 0, j, past + j] = True
-        positions = torch.full((1, m), base + depth - 1, device=tokens.device)
+        positions = torch.full((1, tokens.shape[0]), base + depth - 1, device=tokens.device)
         out, (k, v) = self.drafter.forward_hidden(tokens[None], parent_out[None], self.embed, position_ids=positions,
-                                                  attn_mask=mask, past_kv=(k_all, v_all))
+                                                  attn_mask=mask[None, None], past_kv=(k_all, v_all))
         scratch = (torch.cat([k_all, k], 2), torch.cat([v_all, v], 2))
-        return out[0], torch.log_softmax(self._logits(out[0]), -1), scratch, past
+        return out[0], torch.log_softmax(self._logits(out[0]), -1), scratch
+
+    @staticmethod
+    def _slots_mask(ancestor_slots: list[list[int]], base: int, past: int, device) -> torch.Tensor:
+        """(m, past + m): the committed cache, each node's ancestors' scratch slots, and itself."""
+        m = len(ancestor_slots)
+        mask = torch.zeros(m, past + m, dtype=torch.bool, device=device)
+        mask[:, :base] = True
+        for j, slots in enumerate(ancestor_slots):
+            mask[j, slots] = True
+            mask[j, past + j] = True
+        return mask
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Proposal:
@@ -497,9 +503,10 @@ class EagleTreeDrafter(EagleChainDrafter):
             if not expand:
                 break
             anc = [[slot[a] for a in self._ancestors(i) if a in slot] for i in expand]
-            out, logp, scratch, start = self._run_frontier(
-                tokens[expand], torch.stack([parent_out[int(self.static_parent(i))] for i in expand]), depth, anc,
-                base, scratch)
+            start = scratch[0].shape[2]
+            out, logp, scratch = self._run_frontier(
+                tokens[expand], torch.stack([parent_out[int(self.static_parent(i))] for i in expand]), depth, base,
+                self._slots_mask(anc, base, start, tokens.device), scratch)
             for j, i in enumerate(expand):
                 slot[i] = start + j
                 parent_out[i] = out[j]
@@ -518,38 +525,45 @@ class EagleTreeDrafter(EagleChainDrafter):
         return out
 
     def _dynamic(self, root_logp, root_out, base) -> Proposal:
+        """EAGLE-2: expand the ``topk`` best frontier nodes by their ``topk`` children for ``depth`` levels (one
+        drafter pass per level), then keep the ``budget`` best nodes by cumulative log-probability (ties: the
+        shallower first, so the kept set is closed under ancestors). All on the device: no host read."""
         depth_cap, topk, budget = self.dynamic
+        device = root_out.device
         top = root_logp.topk(topk)
-        tokens, scores = top.indices.tolist(), top.values.tolist()
-        paths = [(r,) for r in range(topk)]
-        parent = [-1] * topk
-        outs = {-1: root_out}
-        slot, frontier, scratch = {}, list(range(topk)), self.past
+        ranks = torch.arange(topk, device=device)
+        tokens, scores = [top.indices], [top.values]
+        parents = [torch.full((topk,), -1, device=device)]
+        depths = [torch.ones(topk, dtype=torch.long, device=device)]
+        frontier, frontier_scores, frontier_tokens = ranks, top.values, top.indices  # pool ids, already by score
+        frontier_out = root_out.expand(topk, -1)
+        seen = torch.zeros(topk, 0, dtype=torch.bool, device=device)  # each frontier node's ancestors' scratch slots
+        own = torch.eye(topk, dtype=torch.bool, device=device)
+        committed = torch.ones(topk, base, dtype=torch.bool, device=device)
+        scratch, size = self.past, topk
         for depth in range(1, depth_cap):
-            frontier = sorted(frontier, key=lambda i: -scores[i])[:topk]
-            anc = []
-            for i in frontier:
-                chain, a = [], parent[i]
-                while a >= 0:
-                    chain.append(slot[a])
-                    a = parent[a]
-                anc.append(chain)
-            ids = torch.tensor([tokens[i] for i in frontier], device=root_out.device)
-            out, logp, scratch, start = self._run_frontier(ids, torch.stack([outs[parent[i]] for i in frontier]),
-                                                           depth, anc, base, scratch)
-            child = logp.topk(topk)
-            child_tokens, child_scores = child.indices.tolist(), child.values.tolist()
-            new_frontier = []
-            for j, i in enumerate(frontier):
-                slot[i], outs[i] = start + j, out[j]
-                for r in range(topk):
-                    tokens.append(child_tokens[j][r])
-                    scores.append(scores[i] + child_scores[j][r])
-                    paths.append(paths[i] + (r,))
-                    parent.append(i)
-                    new_frontier.append(len(tokens) - 1)
-            frontier = new_frontier
-        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], len(paths[i])))[:budget]
-        tree = Tree.from_paths([paths[i] for i in keep])
-        by_path = {paths[i]: tokens[i] for i in keep}
-        return Proposal(tokens=torch.tensor([by_path[p] for p in tree.paths], device=root_out.device), tree=tree)
+            mask = torch.cat([committed, seen, own], 1)
+            out, logp, scratch = self._run_frontier(frontier_tokens, frontier_out, depth, base, mask, scratch)
+            child = logp.topk(topk)  # (topk, topk): each frontier node's best children
+            child_scores = (frontier_scores[:, None] + child.values).flatten()
+            tokens.append(child.indices.flatten())
+            scores.append(child_scores)
+            parents.append(frontier.repeat_interleave(topk))
+            depths.append(torch.full((topk * topk,), depth + 1, device=device))
+            pick = child_scores.topk(topk).indices  # the next frontier, among this level's children
+            by_parent = pick // topk
+            frontier, frontier_scores = size + pick, child_scores[pick]
+            frontier_tokens, frontier_out = child.indices.flatten()[pick], out[by_parent]
+            seen = torch.cat([seen, own], 1)[by_parent]
+            size += topk * topk
+        tokens, scores, parent, depth = (torch.cat(x) for x in (tokens, scores, parents, depths))
+        rank = ranks.repeat(size // topk)
+        by_depth = torch.sort(depth, stable=True).indices
+        kept = by_depth[torch.sort(-scores[by_depth], stable=True).indices][:min(budget, size)]
+        kept = kept[torch.sort(depth[kept], stable=True).indices]  # depth order: parents before children
+        index = torch.full((size,), -1, dtype=torch.long, device=device)
+        index[kept] = torch.arange(kept.numel(), device=device)
+        kept_parent = parent[kept]
+        tree_parent = torch.where(kept_parent >= 0, index[kept_parent.clamp_min(0)], -1)
+        tree = DeviceTree.from_parents(tree_parent, rank[kept], depth[kept], topk, depth_cap)
+        return Proposal(tokens=tokens[kept], tree=tree)

@@ -208,25 +208,23 @@ class StaticCausalLM:
         return out, torch.cat(captured, -1)  # convention
 
     def compile(self, sizes, mode: str | None = "auto", backend="inductor") -> float:
-        """Compile the forward for the verify sizes a run will use, warm every compiled size up, and return the
-        seconds that took (report it apart: never inside a timed region).
+        """Compile the forward for the sizes a run will use, warm every one up, and return the seconds that took
+        (report it apart: never inside a timed region).
 
-        ``sizes`` (the AR step's 1, each drafter's ``max_nodes + 1``, ...) are bucketed: the sizes themselves
-        plus the powers of two between them, so a size that varies by round (a dynamic tree, a hybrid's merged
-        branch, short prefills) pads up to a compiled neighbour instead of compiling again. Longer forwards (a
-        long prefill) run eagerly with the same static shapes. One graph per bucket, ``fullgraph=True`` (a graph
-        break is an error, not a silent eager piece); ``mode="auto"``: CUDA graphs on CUDA (``reduce-overhead``),
-        Inductor's default elsewhere. Needs a static runner (the default on CUDA; ``static=True``).
+        ``sizes`` are the forwards' token counts: AR's 1, each drafter's ``max_nodes + 1``, the planner's. Each is
+        one graph (``dynamic=False``, ``fullgraph=True``: a graph break is an error, not a silent eager piece); a
+        forward of another size pads up to the next compiled one (a hybrid's merged branch, short prefills), and
+        one past them all (a long prefill) runs eagerly with the same static shapes. ``mode="auto"``: CUDA graphs
+        on CUDA (``reduce-overhead``), Inductor's default elsewhere. Needs a static runner (the CUDA default;
+        ``static=True`` elsewhere).
         """
         if not self.static:
             raise SpectrainError("compile() needs static shapes: StaticCausalLM(..., static=True) (the CUDA default)")
         if self.length:
             raise SpectrainError("compile() warms up on an empty cache: call it before decoding")
-        sizes = sorted({int(s) for s in sizes if 1 <= int(s) <= self.max_len})
-        if not sizes:
+        self.buckets = tuple(sorted({int(s) for s in sizes if 1 <= int(s) <= self.max_len}))
+        if not self.buckets:
             raise SpectrainError("compile() needs at least one forward size in 1..max_len")
-        powers = [1 << i for i in range(sizes[-1].bit_length()) if sizes[0] < 1 << i < sizes[-1]]
-        self.buckets = tuple(sorted(set(sizes) | set(powers)))
         if mode == "auto":
             mode = "reduce-overhead" if self.device.type == "cuda" else None
         options = {"mode": mode} if backend == "inductor" else {}  # another backend (a counter, in tests): as is

@@ -103,6 +103,56 @@ class Tree:
         return cls.from_paths(paths)
 
 
+@dataclass(frozen=True)
+class DeviceTree:
+    """A tree built on the device every round (EAGLE-2 dynamic trees): :class:`Tree`'s tensors, with its size and
+    a depth bound as host ints fixed by the drafter's settings, so neither building nor verifying it reads the
+    device. Nodes are in depth order (parents precede children); a node's ``rank`` is its place among its
+    parent's candidates, and ``children`` rows may have gaps (-1) where a candidate was not kept.
+    """
+
+    parent: torch.Tensor
+    depth: torch.Tensor
+    rank: torch.Tensor
+    ancestors: torch.Tensor
+    children: torch.Tensor
+    size: int
+    max_depth: int
+
+    is_chain = False
+
+    def to(self, device) -> "DeviceTree":
+        if self.parent.device == torch.device(device):
+            return self
+        return DeviceTree(*(t.to(device) for t in (self.parent, self.depth, self.rank, self.ancestors,
+                                                   self.children)), self.size, self.max_depth)
+
+    @property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """The rank paths, read back to the host (one sync: for host-side code such as a hybrid's merge)."""
+        paths: list[tuple[int, ...]] = []
+        for parent, rank in zip(self.parent.tolist(), self.rank.tolist()):
+            paths.append((paths[parent] if parent >= 0 else ()) + (rank,))
+        return tuple(paths)
+
+    @classmethod
+    def from_parents(cls, parent: torch.Tensor, rank: torch.Tensor, depth: torch.Tensor, width: int,
+                     max_depth: int) -> "DeviceTree":
+        """From (n,) parent indices (-1: the root; parents precede children), ranks (< ``width``) and depths."""
+        n, device = parent.numel(), parent.device
+        nodes = torch.arange(n, device=device)
+        up = torch.cat([torch.where(parent >= 0, parent, n), parent.new_full((1,), n)])  # n: past the root
+        ancestors = torch.zeros(n, n + 1, dtype=torch.bool, device=device)
+        ancestors[nodes, nodes] = True
+        above = up[:n]
+        for _ in range(max_depth - 1):
+            ancestors[nodes, above] = True
+            above = up[above]
+        children = torch.full(((n + 1) * width,), -1, dtype=torch.long, device=device)
+        children[(parent + 1) * width + rank] = nodes
+        return cls(parent, depth, rank, ancestors[:, :n], children.view(n + 1, width), n, max_depth)
+
+
 def expected_accept_length(paths, accuracy) -> float:
     """Expected number of accepted drafts: sum over nodes of the product of per-depth rank accuracies.
 

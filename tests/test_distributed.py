@@ -231,6 +231,7 @@ def _fsdp_worker(rank: int, world: int, store: str, verifier: str, out: str) -> 
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
+    dist.barrier()  # neither rank tears the group down while the other may still be in its last collective
     dist.destroy_process_group()
 
 
@@ -304,6 +305,7 @@ def _validation_worker(rank: int, world: int, store: str, verifier: str, out: st
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
+    dist.barrier()  # neither rank tears the group down while the other may still be in its last collective
     dist.destroy_process_group()
 
 

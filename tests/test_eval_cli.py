@@ -157,5 +157,20 @@ def test_compiled_eval_warms_up_before_timing(setup, tmp_path):
     torch._dynamo.reset()
     summary = json.loads(evaluate(args_for(setup, "--method", "ngram", "--compile", "--hf_generate", "0",
                                            "--out", str(tmp_path / "c"))).read_text())
-    assert summary["compile"]["buckets"] == [1, 2, 4] and summary["compile"]["seconds"] > 0
+    assert summary["compile"]["buckets"] == [1, 2, 3, 4] and summary["compile"]["seconds"] > 0  # AR, planner, chain
     assert summary["results"]["chain-3"]["identical_to_ar"] is True
+
+
+def test_a_draft_model_is_loaded_once_per_job(setup, tmp_path, monkeypatch, verifier_factory):
+    """Chain, dynamic tree and the planner's chain lengths all draft with the same --draft_model: one load."""
+    import spectrain.eval.cli as cli
+
+    loads = []
+    real = cli.load_verifier
+    monkeypatch.setattr(cli, "load_verifier", lambda path, **kw: loads.append(path) or real(path, **kw))
+    draft = str(setup[1])  # the verifier itself as its draft model: every draft accepted at T = 0
+    summary = json.loads(evaluate(args_for(setup, "--method", "draft-model", "--draft_model", draft, "--drafter", "",
+                                           "--dynamic_tree", "2,2,4", "--hf_generate", "0", "--dtype", "float32",
+                                           "--out", str(tmp_path / "d"))).read_text())
+    assert summary["results"]["chain-3"]["identical_to_ar"] is True
+    assert loads.count(draft) == 2  # the verifier (as verifier) and the draft model, once

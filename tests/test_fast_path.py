@@ -20,7 +20,7 @@ from tests.eval_helpers import bigram_verifier, oracle_eagle1, oracle_medusa
 K = 3  # chains verify 4 tokens
 TREE = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])  # 7 nodes: verifies 8
 DYNAMIC = (3, 2, 7)  # depth, top-k, budget: verifies 8
-SIZES = (1, K + 1, TREE.size + 1, DYNAMIC[2] + 1)  # AR and every drafter: buckets 1, 2, 4, 8
+SIZES = (1, K + 1, TREE.size + 1, DYNAMIC[2] + 1)  # AR and every drafter: graphs for 1, 4 and 8 tokens
 MAX_LEN = 96
 
 
@@ -84,7 +84,7 @@ def test_one_compile_per_bucket_during_warmup_only(setup):
     show as fewer), none of it a graph break (fullgraph), and decoding varied prompt lengths with every drafter
     adds no compile at all."""
     runner, counter = setup["compiled"], setup["counter"]
-    assert runner.buckets == (1, 2, 4, 8)
+    assert runner.buckets == (1, 4, 8)
     assert counter.frame_count == len(runner.buckets) and setup["warmup_seconds"] > 0
     for drafter in setup["drafters"].values():
         decode(runner, drafter, Sampling())
@@ -124,3 +124,66 @@ def test_draft_cost_times_decode_rounds_not_a_prefill():
     assert draft_cost(drafter, state, repeats=3) > 0
     # Untimed: the prefill round (the prompt, then k - 1 draft steps); then warm-up + 3 timed rounds of k steps.
     assert sizes == [len(prompt)] + [1] * (K - 1) + [1] * (K * 4)
+
+
+def host_dynamic_tree(drafter, root_logp, root_out, base):
+    """The EAGLE-2 tree as the drafter built it on the host before (Python lists, a read per level): the
+    reference the device-built tree must match, node for node."""
+    depth_cap, topk, budget = drafter.dynamic
+    top = root_logp.topk(topk)
+    tokens, scores = top.indices.tolist(), top.values.tolist()
+    paths, parent = [(r,) for r in range(topk)], [-1] * topk
+    outs, slot, frontier, scratch = {-1: root_out}, {}, list(range(topk)), drafter.past
+    for depth in range(1, depth_cap):
+        frontier = sorted(frontier, key=lambda i: -scores[i])[:topk]
+        anc = []
+        for i in frontier:
+            chain, a = [], parent[i]
+            while a >= 0:
+                chain.append(slot[a])
+                a = parent[a]
+            anc.append(chain)
+        start = scratch[0].shape[2]
+        ids = torch.tensor([tokens[i] for i in frontier])
+        out, logp, scratch = drafter._run_frontier(ids, torch.stack([outs[parent[i]] for i in frontier]), depth, base,
+                                                   drafter._slots_mask(anc, base, start, ids.device), scratch)
+        child = logp.topk(topk)
+        new = []
+        for j, i in enumerate(frontier):
+            slot[i], outs[i] = start + j, out[j]
+            for r in range(topk):
+                tokens.append(int(child.indices[j, r]))
+                scores.append(scores[i] + float(child.values[j, r]))
+                paths.append(paths[i] + (r,))
+                parent.append(i)
+                new.append(len(tokens) - 1)
+        frontier = new
+    keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], len(paths[i])))[:budget]
+    return {paths[i]: tokens[i] for i in keep}
+
+
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_device_built_dynamic_tree_is_the_host_built_one(setup, variant):
+    """The EAGLE-2 tree built on the device (no host read) keeps the same nodes, with the same tokens, as the
+    host-side construction; its tensors describe that tree (parents, depths, ancestors, children by rank)."""
+    from spectrain.eval.costs import probe_state
+
+    drafter = setup["drafters"][f"{variant}-dynamic"]
+    runner = StaticCausalLM(setup["eager"].model, max_len=MAX_LEN)
+    state = probe_state(runner, prompts()[3], Sampling(), drafter.capture_layers)
+    drafter.start(state, runner)
+    out = drafter._step(state.new_tokens, state.new_features, hidden_input=False)
+    committed, base = drafter.past, drafter.past[0].shape[2]
+    root_logp = torch.log_softmax(drafter._logits(out[-1:]), -1)[0]
+    device_built = drafter._dynamic(root_logp, out[-1], base)
+    drafter.past = committed
+    want = host_dynamic_tree(drafter, root_logp, out[-1], base)
+    tree = device_built.tree
+    assert dict(zip(tree.paths, device_built.tokens.tolist())) == want and tree.size == DYNAMIC[2]
+    reference = Tree.from_paths([list(p) for p in tree.paths])  # the host Tree of the same paths (its own order)
+    order = [reference.paths.index(p) for p in tree.paths]
+    assert torch.equal(reference.ancestors[order][:, order], tree.ancestors)
+    assert torch.equal(reference.depth[order], tree.depth)
+    for i, p in enumerate(tree.paths):  # children rows: each kept child at its rank, -1 elsewhere
+        kids = {int(c): r for r, c in enumerate(tree.children[i + 1].tolist()) if c >= 0}
+        assert kids == {j: q[-1] for j, q in enumerate(tree.paths) if q[:-1] == p}

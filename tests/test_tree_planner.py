@@ -60,3 +60,37 @@ def test_planner_picks_the_best_chain():
     assert speedups[1] == pytest.approx(1.8)
     assert speedups[2] == pytest.approx((1 + 0.8 + 0.48) / 1.05)
     assert max(speedups, key=speedups.get) == 2
+
+
+def test_rank_accuracies_follow_the_decoding_temperature():
+    """The tree planner's rank accuracy is how often the verifier emits a candidate: at T = 0 the greedy hit
+    rate; at T > 0 the mean q'(candidate) (a deterministic candidate is accepted with exactly that probability),
+    here checked against q' computed straight from HF's forward."""
+    import torch
+
+    from spectrain.eval.accept import Sampling, target_probs
+    from spectrain.eval.calibrate import medusa_diagnostics
+    from spectrain.eval.drafters import MedusaDrafter
+    from spectrain.eval.static_model import StaticCausalLM
+    from tests.eval_helpers import bigram_verifier, oracle_medusa
+
+    model, perm = bigram_verifier("llama", mix=0.3)
+    drafter = MedusaDrafter(oracle_medusa(model, perm, 2, noise=1.0), model.get_output_embeddings(), Tree.chain(2))
+    prompt = torch.randint(0, 300, (4,), generator=torch.Generator().manual_seed(0))
+    seq = model.generate(prompt[None], max_new_tokens=20, do_sample=False)[0].tolist()  # the verifier's own text
+    runner = StaticCausalLM(model, max_len=32)
+    sampled = Sampling(temperature=20.0, top_k=5)
+    greedy = medusa_diagnostics(runner, drafter, [seq], [4], max_rank=3)
+    at_t = medusa_diagnostics(runner, drafter, [seq], [4], max_rank=3, decoding=sampled)
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0]
+        heads = drafter._logits_many(model.model(torch.tensor([seq])).last_hidden_state[0])  # (K, T, V)
+    q = target_probs(logits, sampled)
+    for k in range(2):
+        t = torch.arange(3, len(seq) - k - 1)  # head k at t drafts t + k + 2: q' after position t + k + 1
+        top = heads[k, t].topk(3, dim=-1).indices
+        want = q[t + k + 1].gather(1, top).mean(0)
+        assert at_t["rank_accuracy"][k] == pytest.approx(want.tolist(), abs=1e-5)
+        hits = (top == logits[t + k + 1].argmax(-1)[:, None]).double().mean(0)
+        assert greedy["rank_accuracy"][k] == pytest.approx(hits.tolist(), abs=1e-9)
+    assert at_t["rank_accuracy"][0][0] < greedy["rank_accuracy"][0][0]  # greedy hits overrate rank 0 at T > 0
