@@ -297,6 +297,50 @@ def truncated_verifier(model, num_layers: int):
     return draft.to(param.device).eval().requires_grad_(False)
 
 
+def grow_dynamic_tree(root_logp: torch.Tensor, depth_cap: int, topk: int, budget: int, expand) -> Proposal:
+    """An EAGLE-2 dynamic tree, built on the device (no host read).
+
+    The root's ``topk`` best tokens start it; at each of ``depth_cap - 1`` levels the ``topk`` best frontier
+    nodes (by cumulative log-probability) are expanded by their ``topk`` best children in one drafter pass:
+    ``expand(depth, tokens, parents, ancestors) -> (topk, V)`` log-probabilities, for frontier ``tokens`` (topk,)
+    at ``depth``, ``parents`` their rows in the previous pass (None at depth 1), and ``ancestors`` (topk,
+    (depth - 1) * topk) which earlier passes' rows each descends from. Then the ``budget`` best nodes are kept
+    (ties: the shallower first; a child never scores above its parent, so the kept set is a tree).
+    """
+    device = root_logp.device
+    top = root_logp.topk(topk)
+    ranks = torch.arange(topk, device=device)
+    tokens, scores = [top.indices], [top.values]
+    parents = [torch.full((topk,), -1, device=device)]
+    depths = [torch.ones(topk, dtype=torch.long, device=device)]
+    frontier, frontier_scores, frontier_tokens = ranks, top.values, top.indices  # pool ids, best first
+    by_parent, seen = None, torch.zeros(topk, 0, dtype=torch.bool, device=device)
+    own = torch.eye(topk, dtype=torch.bool, device=device)
+    size = topk
+    for depth in range(1, depth_cap):
+        child = expand(depth, frontier_tokens, by_parent, seen).topk(topk)  # each frontier node's best children
+        child_scores = (frontier_scores[:, None] + child.values).flatten()
+        tokens.append(child.indices.flatten())
+        scores.append(child_scores)
+        parents.append(frontier.repeat_interleave(topk))
+        depths.append(torch.full((topk * topk,), depth + 1, device=device))
+        pick = child_scores.topk(topk).indices  # the next frontier, among this level's children
+        by_parent = pick // topk
+        frontier, frontier_scores, frontier_tokens = size + pick, child_scores[pick], child.indices.flatten()[pick]
+        seen = torch.cat([seen, own], 1)[by_parent]  # a child descends from its parent's ancestors and its parent
+        size += topk * topk
+    tokens, scores, parent, depth = (torch.cat(x) for x in (tokens, scores, parents, depths))
+    by_depth = torch.sort(depth, stable=True).indices
+    kept = by_depth[torch.sort(-scores[by_depth], stable=True).indices][:min(budget, size)]
+    kept = kept[torch.sort(depth[kept], stable=True).indices]  # depth order: parents before children
+    index = torch.full((size,), -1, dtype=torch.long, device=device)
+    index[kept] = torch.arange(kept.numel(), device=device)
+    kept_parent = parent[kept]
+    tree_parent = torch.where(kept_parent >= 0, index[kept_parent.clamp_min(0)], -1)
+    tree = DeviceTree.from_parents(tree_parent, ranks.repeat(size // topk)[kept], depth[kept], topk, depth_cap)
+    return Proposal(tokens=tokens[kept], tree=tree)
+
+
 class DynamicTreeDrafter(ModelDrafter):
     """EAGLE-2-style dynamic tree from an autoregressive draft model.
 
@@ -327,42 +371,22 @@ class DynamicTreeDrafter(ModelDrafter):
         hidden = runner.forward(self.pending)
         runner.commit(self.pending.numel())
         base = runner.length
-        top = torch.log_softmax(runner.logits(hidden[-1]), -1).topk(self.topk)
-        tokens, scores = top.indices.tolist(), top.values.tolist()  # one transfer per depth
-        paths = [(r,) for r in range(self.topk)]
-        index = {p: i for i, p in enumerate(paths)}
-        frontier, slot = list(range(self.topk)), {}
-        for d in range(1, self.depth):
-            frontier = sorted(frontier, key=lambda i: -scores[i])[:self.topk]
-            start = base + len(slot)
-            for j, node in enumerate(frontier):
-                slot[node] = start + j
-            mask = torch.zeros(len(frontier), runner.width, dtype=torch.bool, device=runner.device)
+
+        def expand(depth, tokens, parents, ancestors):  # the frontier at scratch slots base + (depth - 1) * topk ...
+            start = base + (depth - 1) * self.topk
+            mask = torch.zeros(self.topk, runner.width, dtype=torch.bool, device=runner.device)
             mask[:, :base] = True
-            for j, node in enumerate(frontier):
-                path = paths[node]
-                for cut in range(1, len(path) + 1):  # the node and its ancestors, all run at earlier depths
-                    mask[j, slot[index[path[:cut]]]] = True
+            mask[:, base:start + self.topk] = torch.cat([ancestors, torch.eye(self.topk, dtype=torch.bool,
+                                                                                device=runner.device)], 1)
             runner.length = start
-            out = runner.forward(torch.tensor([tokens[i] for i in frontier], device=runner.device),
-                                 positions=torch.full((len(frontier),), base + d - 1, device=runner.device), mask=mask)
-            child = torch.log_softmax(runner.logits(out), -1).topk(self.topk)
-            child_tokens, child_scores = child.indices.tolist(), child.values.tolist()
-            new_frontier = []
-            for j, node in enumerate(frontier):
-                for r in range(self.topk):
-                    tokens.append(child_tokens[j][r])
-                    scores.append(scores[node] + child_scores[j][r])
-                    paths.append(paths[node] + (r,))
-                    index[paths[-1]] = len(paths) - 1
-                    new_frontier.append(len(tokens) - 1)
-            frontier = new_frontier
+            out = runner.forward(tokens, positions=torch.full((self.topk,), base + depth - 1, device=runner.device),
+                                 mask=mask)
+            return torch.log_softmax(runner.logits(out), -1)
+
+        proposal = grow_dynamic_tree(torch.log_softmax(runner.logits(hidden[-1]), -1), self.depth, self.topk,
+                                     self.budget, expand)
         runner.length = base  # the frontier's K/V were scratch: nothing of the tree stays in the draft cache
-        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], len(paths[i])))[:self.budget]
-        tree = Tree.from_paths([paths[i] for i in keep])
-        by_path = {paths[i]: tokens[i] for i in keep}
-        draft = torch.tensor([by_path[p] for p in tree.paths], dtype=torch.long, device=state.tokens.device)
-        return Proposal(tokens=draft, tree=tree)
+        return proposal
 
     def advance(self, accepted: int, state: DraftState) -> None:
         keep = self._committed + self.pending.numel()  # only the pending context was committed
@@ -525,45 +549,17 @@ class EagleTreeDrafter(EagleChainDrafter):
         return out
 
     def _dynamic(self, root_logp, root_out, base) -> Proposal:
-        """EAGLE-2: expand the ``topk`` best frontier nodes by their ``topk`` children for ``depth`` levels (one
-        drafter pass per level), then keep the ``budget`` best nodes by cumulative log-probability (ties: the
-        shallower first, so the kept set is closed under ancestors). All on the device: no host read."""
+        """EAGLE-2 (:func:`grow_dynamic_tree`): each pass feeds a frontier node its parent's output as hidden
+        input; scratch K/V of earlier passes are appended after the committed cache."""
         depth_cap, topk, budget = self.dynamic
-        device = root_out.device
-        top = root_logp.topk(topk)
-        ranks = torch.arange(topk, device=device)
-        tokens, scores = [top.indices], [top.values]
-        parents = [torch.full((topk,), -1, device=device)]
-        depths = [torch.ones(topk, dtype=torch.long, device=device)]
-        frontier, frontier_scores, frontier_tokens = ranks, top.values, top.indices  # pool ids, already by score
-        frontier_out = root_out.expand(topk, -1)
-        seen = torch.zeros(topk, 0, dtype=torch.bool, device=device)  # each frontier node's ancestors' scratch slots
-        own = torch.eye(topk, dtype=torch.bool, device=device)
-        committed = torch.ones(topk, base, dtype=torch.bool, device=device)
-        scratch, size = self.past, topk
-        for depth in range(1, depth_cap):
-            mask = torch.cat([committed, seen, own], 1)
-            out, logp, scratch = self._run_frontier(frontier_tokens, frontier_out, depth, base, mask, scratch)
-            child = logp.topk(topk)  # (topk, topk): each frontier node's best children
-            child_scores = (frontier_scores[:, None] + child.values).flatten()
-            tokens.append(child.indices.flatten())
-            scores.append(child_scores)
-            parents.append(frontier.repeat_interleave(topk))
-            depths.append(torch.full((topk * topk,), depth + 1, device=device))
-            pick = child_scores.topk(topk).indices  # the next frontier, among this level's children
-            by_parent = pick // topk
-            frontier, frontier_scores = size + pick, child_scores[pick]
-            frontier_tokens, frontier_out = child.indices.flatten()[pick], out[by_parent]
-            seen = torch.cat([seen, own], 1)[by_parent]
-            size += topk * topk
-        tokens, scores, parent, depth = (torch.cat(x) for x in (tokens, scores, parents, depths))
-        rank = ranks.repeat(size // topk)
-        by_depth = torch.sort(depth, stable=True).indices
-        kept = by_depth[torch.sort(-scores[by_depth], stable=True).indices][:min(budget, size)]
-        kept = kept[torch.sort(depth[kept], stable=True).indices]  # depth order: parents before children
-        index = torch.full((size,), -1, dtype=torch.long, device=device)
-        index[kept] = torch.arange(kept.numel(), device=device)
-        kept_parent = parent[kept]
-        tree_parent = torch.where(kept_parent >= 0, index[kept_parent.clamp_min(0)], -1)
-        tree = DeviceTree.from_parents(tree_parent, rank[kept], depth[kept], topk, depth_cap)
-        return Proposal(tokens=tokens[kept], tree=tree)
+        own = torch.eye(topk, dtype=torch.bool, device=root_out.device)
+        committed = torch.ones(topk, base, dtype=torch.bool, device=root_out.device)
+        run = {"out": root_out.expand(topk, -1), "scratch": self.past}
+
+        def expand(depth, tokens, parents, ancestors):
+            parent_out = run["out"] if parents is None else run["out"][parents]
+            mask = torch.cat([committed, ancestors, own], 1)
+            run["out"], logp, run["scratch"] = self._run_frontier(tokens, parent_out, depth, base, mask, run["scratch"])
+            return logp
+
+        return grow_dynamic_tree(root_logp, depth_cap, topk, budget, expand)

@@ -187,3 +187,25 @@ def test_device_built_dynamic_tree_is_the_host_built_one(setup, variant):
     for i, p in enumerate(tree.paths):  # children rows: each kept child at its rank, -1 elsewhere
         kids = {int(c): r for r, c in enumerate(tree.children[i + 1].tolist()) if c >= 0}
         assert kids == {j: q[-1] for j, q in enumerate(tree.paths) if q[:-1] == p}
+
+
+def test_draft_model_dynamic_tree_never_reads_the_device():
+    """The draft model's EAGLE-2 tree is grown by the same device-side builder: a proposal reads nothing back to
+    the host, and a greedy decode with it is still the verifier's own."""
+    from spectrain.eval.costs import probe_state
+    from spectrain.eval.drafters import DynamicTreeDrafter
+    from tests.eval_helpers import noised_copy
+    from tests.scripts import load_script
+
+    HostReads = load_script("round_ops").HostReads  # the benchmark's own counter of host reads
+
+    model, _ = bigram_verifier("llama")
+    drafter = DynamicTreeDrafter(noised_copy(model, 0.5), depth=3, topk=2, budget=5, max_len=MAX_LEN)
+    state = probe_state(StaticCausalLM(model, max_len=MAX_LEN), prompts()[2], Sampling())
+    drafter.start(state, None)
+    with HostReads() as reads:
+        proposal = drafter.propose(state)
+    assert reads.count == 0 and proposal.tree.size == 5 and proposal.tokens.shape == (5,)
+    runner = StaticCausalLM(model, max_len=MAX_LEN)
+    for p in prompts():
+        assert generate(runner, drafter, p, 20).tokens == generate(runner, Drafter(), p, 20).tokens
