@@ -242,6 +242,11 @@ class DrafterDataModule(L.LightningDataModule):
         if not self.path:
             raise SpectrainError("data.format=hf needs data.path (a saved dataset directory, data files or a hub id)")
         saved = Path(self.path).expanduser()
+        if not saved.exists() and (self.path.count("/") != 1 or self.path.startswith((".", "/", "~"))):
+            # A hub id is owner/name; anything else is a local path that is not there (yet).
+            raise SpectrainError(f"data.path {self.path!r} does not exist. A hidden-state store is built with "
+                                 "spectrain-extract, self-distilled chat data with spectrain-distill (docs/smollm2.md "
+                                 "and docs/training.md give the commands)")
         try:
             if any((saved / marker).is_file() for marker in ("dataset_dict.json", "state.json")):
                 ds = datasets.load_from_disk(self.path)

@@ -62,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also evaluate an EAGLE-2-style dynamic tree (draft-model / truncated methods)")
     p.add_argument("--prompts", default=BUNDLED, help="MT-bench/Alpaca turns jsonl, json, text file, or bundled")
     p.add_argument("--num_prompts", type=int, default=20)
+    p.add_argument("--first_turns", action="store_true", help="ask each prompt's first turn only")
+    p.add_argument("--spread", action="store_true",
+                   help="take rows round-robin over their 'category' (MT-bench: 2 per category for 16), the "
+                        "selection spectrain-results uses; with --first_turns, its MT-bench prompts")
     p.add_argument("--prompt_tokens", type=int, default=64, help="prompt length for bundled text prompts")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -380,7 +384,8 @@ def evaluate(args) -> Path:
         raise SpectrainError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if args.max_new_tokens >= context:
         raise SpectrainError(f"--max_new_tokens {args.max_new_tokens} is beyond the verifier's context of {context}")
-    prompts = load_prompts(args.prompts, args.num_prompts, tokenizer, args.prompt_tokens)
+    prompts = load_prompts(args.prompts, args.num_prompts, tokenizer, args.prompt_tokens, first_turns=args.first_turns,
+                           spread=args.spread)
     use_template = {"on": True, "off": False}.get(args.chat_template,
                                                   bool(getattr(tokenizer, "chat_template", None)) and args.prompts != BUNDLED)
     if use_template and not getattr(tokenizer, "chat_template", None):

@@ -10,12 +10,15 @@ from spectrain.heads.errors import SpectrainError
 BUNDLED = "bundled:tinyshakespeare"
 
 
-def load_prompts(spec: str, limit: int | None = None, tokenizer=None, prompt_tokens: int = 64) -> list[list[str]]:
+def load_prompts(spec: str, limit: int | None = None, tokenizer=None, prompt_tokens: int = 64,
+                 first_turns: bool = False, spread: bool = False) -> list[list[str]]:
     """Prompts as lists of turns.
 
     ``bundled:tinyshakespeare`` cuts the held-out split into consecutive pieces of ``prompt_tokens`` tokens
     (needs ``tokenizer``); ``.jsonl``/``.json`` rows use ``turns``, ``instruction`` (+ ``input``), ``prompt`` or
-    ``text``; any other file gives one prompt per blank-line-separated paragraph.
+    ``text``; any other file gives one prompt per blank-line-separated paragraph. ``spread``: rows taken
+    round-robin over their ``category`` (MT-bench: 2 per category for 16), as ``spectrain-results`` picks them;
+    ``first_turns``: each prompt's first turn only.
     """
     if spec == BUNDLED:
         return _bundled(limit or 20, tokenizer, prompt_tokens)
@@ -28,12 +31,27 @@ def load_prompts(spec: str, limit: int | None = None, tokenizer=None, prompt_tok
     if path.suffix in (".jsonl", ".json"):
         from spectrain.data.chat import load_records  # stdlib-only JSON/JSONL reader with named errors
 
-        prompts = [_turns(row, path, i) for i, row in enumerate(load_records(str(path)))]
+        rows = load_records(str(path))
+        prompts = [_turns(row, path, i) for i, row in enumerate(rows)]
+        if spread:
+            categories = [row.get("category") if isinstance(row, dict) else None for row in rows]
+            prompts = [prompts[i] for i in spread_over_categories(categories)]
     else:
         prompts = [[p.strip()] for p in text.split("\n\n") if p.strip()]
     if not prompts:
         raise SpectrainError(f"no prompts in {path}")
+    prompts = [p[:1] for p in prompts] if first_turns else prompts
     return prompts[:limit] if limit else prompts
+
+
+def spread_over_categories(categories: list) -> list[int]:
+    """Row indices ordered round-robin over their categories (in order of first appearance): the first row of
+    each category, then the second of each, ... — any prefix covers the categories evenly."""
+    by_category: dict = {}
+    for i, category in enumerate(categories):
+        by_category.setdefault(category or "none", []).append(i)
+    depth = max((len(v) for v in by_category.values()), default=0)
+    return [rows[d] for d in range(depth) for rows in by_category.values() if d < len(rows)]
 
 
 def _turns(row, path: Path, i: int) -> list[str]:

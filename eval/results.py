@@ -44,6 +44,7 @@ from .calibrate import medusa_diagnostics
 from .cli import encode_turn, load_drafter, run_prompts, summarize
 from .drafters import (Drafter, EagleChainDrafter, EagleTreeDrafter, HybridDrafter, MedusaDrafter, NgramDrafter,
                        check_min_match)
+from .prompts import spread_over_categories
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree
 
@@ -113,19 +114,11 @@ def load_set(name: str, path: str, n: int) -> list[dict]:
     when ``n`` < all), Alpaca-80 instructions (+ input), or GSM8K questions."""
     rows = _jsonl(path)
     if name == "mt_bench":
-        by_cat: dict[str, list[dict]] = {}
         for i, r in enumerate(rows):
             if not isinstance(r.get("turns"), list) or not r["turns"]:
                 raise SpectrainError(f"{path}, record {i}: MT-bench rows need a non-empty 'turns' list")
-            by_cat.setdefault(r.get("category") or "none", []).append({"prompt": r["turns"][0],
-                                                                        "category": r.get("category") or "none"})
-        picked, depth = [], 0
-        while len(picked) < min(n, len(rows)):
-            for items in by_cat.values():
-                if depth < len(items) and len(picked) < n:
-                    picked.append(items[depth])
-            depth += 1
-        return picked
+        return [{"prompt": rows[i]["turns"][0], "category": rows[i].get("category") or "none"}
+                for i in spread_over_categories([r.get("category") for r in rows])[:n]]
     out = []
     for i, r in enumerate(rows[:n]):
         if name == "alpaca":

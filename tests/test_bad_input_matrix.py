@@ -137,6 +137,10 @@ CASES = {
     "missing data file": lambda w: raises(
         "not found", train, module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
         args=small(w["verifier"], w["root"] / "absent.jsonl", w["root"] / "new-run")),
+    "missing store directory": lambda w: raises(  # not an HF hub id: say how such a path is made
+        "does not exist. A hidden-state store is built with spectrain-extract", train,
+        module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+        args=small(w["verifier"], w["root"] / "stores" / "distilled", w["root"] / "new-run")),
     # -- stores -------------------------------------------------------------------------------------------------
     "empty store shard": lambda w: raises(
         "shard-00000.safetensors is missing or truncated", HiddenStateStore,

@@ -183,3 +183,19 @@ def test_prompt_lookup_and_hybrid_rows(setup, tmp_path):
         results(parse_args(argv(setup, tmp_path / "bad", "--drafter", f"ngram={root / 'medusa'}")), log=lambda *_: None)
     with pytest.raises(SpectrainError, match="no --drafter of that name"):
         results(parse_args(argv(setup, tmp_path / "bad", "--hybrid", "nobody")), log=lambda *_: None)
+
+
+def test_spectrain_eval_can_pick_the_results_tables_mt_bench_prompts(tmp_path):
+    """`spectrain-eval --first_turns --spread --num_prompts N` asks exactly the MT-bench prompts the results
+    table measured (first turns, round-robin over categories), so its numbers can be reproduced one by one."""
+    from spectrain.eval.prompts import load_prompts
+    from spectrain.eval.results import load_set
+
+    rows = [{"category": c, "turns": [f"{c} question {i}", f"{c} follow-up {i}"]}
+            for c in ("writing", "roleplay", "math") for i in range(3)]
+    path = tmp_path / "mt.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    picked = load_prompts(str(path), 4, first_turns=True, spread=True)
+    assert picked == [[p["prompt"]] for p in load_set("mt_bench", str(path), 4)]
+    assert picked == [["writing question 0"], ["roleplay question 0"], ["math question 0"], ["writing question 1"]]
+    assert load_prompts(str(path), 2) == [rows[0]["turns"], rows[1]["turns"]]  # default: file order, every turn

@@ -103,7 +103,7 @@ def test_hf_dataset_directories(verifier_factory, tmp_path):
     chat.setup()
     batch = next(iter(chat.train_dataloader()))
     assert 0 < int(batch["loss_mask"].sum()) < int(batch["attention_mask"].sum())
-    with pytest.raises(SpectrainError, match="could not load HF dataset"):
+    with pytest.raises(SpectrainError, match="does not exist. A hidden-state store is built with spectrain-extract"):
         DrafterDataModule(path=str(tmp_path / "nothing_here"), format="hf", tokenizer=verifier).setup()
 
 
