@@ -184,6 +184,19 @@ def test_fsdp_drafter_strategy_trains_on_gpus(tmp_path, verifier_factory, text_f
     assert (tmp_path / "f" / "summary.json").is_file()
 
 
+def _gather_to_file(rank: int, world: int, result, out: str) -> None:
+    """Every rank's ``result`` into ``out`` (written by rank 0), then the process group torn down."""
+    import torch.distributed as dist
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()  # neither rank tears the group down while the other may still be in its last collective
+    dist.destroy_process_group()
+
+
 def _fsdp_worker(rank: int, world: int, store: str, verifier: str, out: str) -> None:
     """One rank: the drafter sharded by torch's FSDP (``fully_shard``, gloo on CPU), a training step through
     the module's own ``step_loss``, then the gathered drafter."""
@@ -226,13 +239,7 @@ def _fsdp_worker(rank: int, world: int, store: str, verifier: str, out: str) -> 
         results[name] = {"outside": outside, "forward_calls": len(calls), "all_grads": all(grads),
                          "loss": float(loss), "gathered_equals_whole": same,
                          "decayed_local": decayed, "plain_type": type(plain).__name__}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()  # neither rank tears the group down while the other may still be in its last collective
-    dist.destroy_process_group()
+    _gather_to_file(rank, world, results, out)
 
 
 def test_fsdp_sharded_drafter_trains_through_forward(tmp_path, verifier_factory):
@@ -300,13 +307,7 @@ def _validation_worker(rank: int, world: int, store: str, verifier: str, out: st
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     metrics = _validation_end(rank, world, verifier, _validation_batch() if rank == 0 else None)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, metrics)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()  # neither rank tears the group down while the other may still be in its last collective
-    dist.destroy_process_group()
+    _gather_to_file(rank, world, metrics, out)
 
 
 def test_validation_end_takes_the_same_collectives_on_every_rank(tmp_path, verifier_factory):
