@@ -25,8 +25,26 @@ def small_args(verifier: Path, data: Path, run_dir: Path, *extra: str, logger: s
             "--data.batch_size", "4", "--run_dir", str(run_dir), "--logger", logger, *extra]
 
 
-def test_every_config_is_exercised():
-    assert "medusa_tinyshakespeare.yaml" in CONFIGS
+def test_every_config_names_only_arguments_its_classes_take():
+    """Each recipe's model / data / trainer keys are parameters of MedusaModule or EagleModule / DrafterDataModule /
+    Trainer (a misspelt key would otherwise surface only when someone runs that recipe)."""
+    import inspect
+
+    import lightning as L
+    import yaml
+
+    from spectrain.data.datamodule import DrafterDataModule
+
+    assert {"medusa_tinyshakespeare.yaml", "eagle3_smollm2.yaml", "medusa_gpu_check.yaml"} <= set(CONFIGS)
+    for name in CONFIGS:
+        recipe = yaml.safe_load(Path(config_path(name)).read_text())
+        for section, cls in (("model", module_for_config(name)), ("data", DrafterDataModule), ("trainer", L.Trainer)):
+            accepted = set(inspect.signature(cls.__init__).parameters)
+            if cls is not L.Trainer and issubclass(cls, L.LightningModule):
+                accepted |= {p for klass in cls.__mro__ if "__init__" in vars(klass)
+                             for p in inspect.signature(klass.__init__).parameters}
+            unknown = set(recipe.get(section) or {}) - accepted
+            assert not unknown, f"{name}: {section} keys {sorted(unknown)} are not arguments of {cls.__name__}"
 
 
 @pytest.mark.parametrize("config", CONFIGS)
