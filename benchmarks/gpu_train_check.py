@@ -74,12 +74,13 @@ def token_blocks(verifier_dir: Path, size: str) -> tuple[list[dict], list[dict]]
     return rows[0], rows[1]
 
 
-def build_module(method: str, verifier_dir: Path, train_rows: list[dict], size: str):
+def build_module(method: str, verifier_dir: Path, train_rows: list[dict], size: str, strategy: str = "auto"):
     from spectrain.train.eagle import EagleModule
     from spectrain.train.medusa import MedusaModule
 
     common = {"verifier": str(verifier_dir), "lr": 1e-3, "warmup_steps": 20, "measure_prompts": 4,
-              "measure_new_tokens": 32}
+              "measure_new_tokens": 32,
+              "verifier_device": "cpu" if "fsdp" in strategy else "auto"}  # as the CLIs set it: FSDP shards from the host
     if method.startswith("medusa"):
         return MedusaModule(num_heads=4, **common)
     if method == "eagle1":
@@ -112,7 +113,7 @@ def train_one(method: str, strategy: str, verifier_dir: Path, rows: tuple[list[d
     train_rows, val_rows = rows
     batch_size = SIZES[args.size][7]
     device = torch.device(args.device)
-    module = build_module(method, verifier_dir, train_rows, args.size)
+    module = build_module(method, verifier_dir, train_rows, args.size, strategy)
     probe = {k: torch.stack([r[k] for r in train_rows[:batch_size]]).to(device) for k in train_rows[0]}
     module.to(device)
     flops = flops_per_token(module, probe)

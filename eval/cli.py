@@ -160,6 +160,8 @@ def verify_sizes(args) -> list[int]:
         return [1]
     sizes = [args.k]
     lookup = args.k if args.method == "hybrid" else 0  # a hybrid static tree gains the lookup branch
+    if args.method == "hybrid" and not args.k and args.tree and not args.tree.startswith("auto:"):
+        lookup = Tree.load(args.tree).max_depth  # as deep as the tree when --k is 0 (build_hybrid)
     if args.tree and args.tree.startswith("auto:") and args.tree[5:].isdigit():
         sizes.append(int(args.tree[5:]) + lookup)
     elif args.tree:

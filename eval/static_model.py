@@ -74,7 +74,7 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     groups, n, d = heads // kv_heads, q.shape[2], q.shape[3]
     folded = q.reshape(1, kv_heads, groups * n, d)  # head h = kv * groups + g, as HF's repeat_kv pairs them
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.repeat(1, 1, groups, 1), scale=scale)
-    return out.view(1, heads, n, d)
+    return out.reshape(1, heads, n, d)  # not view: CUDA's memory-efficient kernel returns a (B, L, H, D) layout
 
 
 class StaticCausalLM:

@@ -144,6 +144,35 @@ def test_each_rank_loads_the_verifier_straight_onto_its_own_gpu(verifier_factory
     assert asked["device_map"] == {"": torch.device("cuda", 1)} and asked["dtype"] == torch.bfloat16
 
 
+def test_under_fsdp_the_verifier_is_loaded_on_the_host_and_not_decoded(verifier_factory, monkeypatch):
+    """FSDP shards the verifier from the host (a whole copy per GPU may not fit): the CLIs resolve
+    ``verifier_device`` to cpu for it. And measured tau, which runs the verifier's layers directly, is skipped with
+    a warning while they are sharded, on every rank alike."""
+    from types import SimpleNamespace
+
+    from jsonargparse import Namespace
+
+    from spectrain.train.cli import SpectrainCLI
+    from spectrain.train.medusa import MedusaModule
+
+    for strategy, want in (("fsdp_drafter", "cpu"), ("ddp", "auto"), (None, "auto")):
+        cfg = Namespace(trainer=Namespace(strategy=strategy, accelerator="cpu", precision=None),
+                        model=Namespace(verifier_dtype="auto", verifier_device="auto"))
+        SpectrainCLI.resolve_precision(cfg)
+        assert cfg.model.verifier_device == want, strategy
+    module = MedusaModule(verifier=str(verifier_factory("llama", False)), num_heads=1, verifier_dtype="float32",
+                          measure_prompts=1, measure_new_tokens=4)
+    module._trainer = SimpleNamespace(world_size=1, global_rank=0, strategy=_GlooStrategy(),
+                                      state=SimpleNamespace(fn="validate"), sanity_checking=False)
+    module.log_dict = lambda *a, **k: None
+    module._prompts_from_batches, module._val_sums = True, {}
+    module.validation_step(_validation_batch(), 0)
+    monkeypatch.setattr(module, "verifier_is_sharded", lambda: True)
+    with pytest.warns(UserWarning, match="measured tau is skipped while the verifier is sharded"):
+        module.on_validation_epoch_end()
+    assert "tau_measured" not in module.last_val_metrics and "tau_pred" in module.last_val_metrics
+
+
 def test_fsdp_units_never_mix_frozen_and_trainable(verifier_factory):
     from spectrain.train.eagle import EagleModule
     from spectrain.train.medusa import MedusaModule

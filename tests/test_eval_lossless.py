@@ -302,6 +302,24 @@ def test_grouped_attention_folds_groups_into_queries(heads, kv_heads):
     torch.testing.assert_close(grouped_attention(q, keys, values, mask, 0.3), want, rtol=1e-5, atol=1e-6)
 
 
+def test_grouped_attention_takes_a_strided_attention_output(monkeypatch):
+    """CUDA's memory-efficient SDPA kernel returns its output in a (B, L, H, D) layout (not contiguous in the
+    head dimension); folding the groups back must not assume a contiguous result."""
+    import torch.nn.functional as F
+
+    from spectrain.eval import static_model
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 5, 8, generator=g)
+    keys, values = torch.randn(2, 1, 2, 12, 8, generator=g)
+    mask = torch.ones(1, 1, 5, 12, dtype=torch.bool)
+    want = static_model.grouped_attention(q, keys, values, mask, 0.3)
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(static_model.F, "scaled_dot_product_attention",
+                        lambda *a, **k: real(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
+    torch.testing.assert_close(static_model.grouped_attention(q, keys, values, mask, 0.3), want)
+
+
 def test_malformed_tree_specs():
     from spectrain.heads.errors import SpectrainError
 

@@ -65,6 +65,9 @@ class DrafterModule(L.LightningModule):
         verifier_gguf_file: GGUF file name inside ``verifier`` (the weights are dequantized on load).
         verifier_dtype: ``auto`` (bf16 where the device multiplies bf16 natively: CUDA, CPUs with AMX or
             AVX512-BF16; fp32 elsewhere), ``float32`` or ``bfloat16``. The CLIs set it from the run's precision.
+        verifier_device: where the verifier's weights are loaded: ``auto`` = straight onto this rank's GPU where
+            CUDA is available (no whole copy in host memory per rank), ``cpu`` = on the host, for a strategy that
+            shards it from there (the CLIs set ``cpu`` under FSDP, where a whole copy per GPU may not fit).
         trust_remote_code: allow the verifier's own modelling code; off unless you trust it.
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay.
@@ -96,6 +99,7 @@ class DrafterModule(L.LightningModule):
         verifier: str = "bundled:tinyshakespeare",
         verifier_gguf_file: Optional[str] = None,
         verifier_dtype: str = "auto",
+        verifier_device: Literal["auto", "cpu"] = "auto",
         trust_remote_code: bool = False,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
@@ -139,10 +143,13 @@ class DrafterModule(L.LightningModule):
         # Loaded directly in the compute dtype (not cast later: a native bf16 load keeps HF's fp32 rotary tables,
         # and no fp32 copy of a large verifier is ever made) and onto the device this rank will train on (no
         # whole copy in host memory per rank; the strategy's move to that device is then a no-op).
-        self.verifier_device = local_device()
+        if verifier_device not in ("auto", "cpu"):
+            raise SpectrainError(f"model.verifier_device must be auto or cpu, got {verifier_device!r}")
+        self.verifier_device = local_device()  # where it trains: its dtype is chosen for this device
         loaded = load_verifier(verifier, gguf_file=verifier_gguf_file,
                                dtype=resolve_dtype(verifier_dtype, self.verifier_device),
-                               device=self.verifier_device, trust_remote_code=trust_remote_code)
+                               device=self.verifier_device if verifier_device == "auto" else "cpu",
+                               trust_remote_code=trust_remote_code)
         self.verifier = loaded.model
         self.tokenizer = loaded.tokenizer
         self.drafter = self.build_drafter()
@@ -165,6 +172,7 @@ class DrafterModule(L.LightningModule):
         self.trained_tokens = 0  # over all ranks; this rank's tokens since the last sum wait in _tokens_pending
         self._tokens_pending: Optional[torch.Tensor] = None  # on the device: no host sync per step
         self._rank_seeded = False
+        self._warned_sharded = False
         self._prompts_from_batches = False
         # Seconds spent training (optimizer steps, data, periodic resume checkpoints), validation excluded, summed
         # over resumes: the wall-clock axis on which drafters are compared at equal compute.
@@ -464,7 +472,12 @@ class DrafterModule(L.LightningModule):
         if not sums:
             return
         metrics = self.val_metrics(sums)
-        if self._measure_ids:
+        if self._measure_ids and self.verifier_is_sharded():
+            if not self._warned_sharded:  # our decoder runs the verifier's layers directly: not on shards
+                warnings.warn("measured tau is skipped while the verifier is sharded (FSDP); predicted tau and the "
+                              "validation counts are still computed. Measure the exported drafter with spectrain-eval")
+                self._warned_sharded = True
+        elif self._measure_ids:
             metrics.update(self.measured_tau())
         self.last_val_metrics = metrics
         if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:  # the learning curve (the final
@@ -597,6 +610,10 @@ class DrafterModule(L.LightningModule):
         if "cuda" in mine and device.type == "cuda":
             torch.cuda.set_rng_state(mine["cuda"], device)
 
+    def verifier_is_sharded(self) -> bool:
+        """Whether a strategy sharded the verifier's layers (FSDP): outside their forward they hold shards only."""
+        return any(is_sharded(m) for m in self.verifier.modules())
+
     def rng_device(self):
         """The device this rank trains on. Not ``self.device``: Lightning restores a checkpoint (and so calls
         :meth:`restore_rng`) before the strategy moves the module onto that device."""
@@ -643,7 +660,9 @@ def merge_rank_prompts(own: list[list[int]], world: int, n: int) -> list[list[in
         return own[:n]
     ranks: list = [None] * world
     torch.distributed.all_gather_object(ranks, own)
-    return [r[i] for i in range(max(map(len, ranks))) for r in ranks if i < len(r)][:n]
+    merged = [tuple(r[i]) for i in range(max(map(len, ranks))) for r in ranks if i < len(r)]
+    # Loaders that are not sharded by rank give every rank the same rows: each prompt once.
+    return [list(p) for p in dict.fromkeys(merged)][:n]
 
 
 def reduce_sums(sums: dict[str, torch.Tensor], strategy, world: int, device) -> dict[str, torch.Tensor]:

@@ -130,6 +130,9 @@ class SpectrainCLI(LightningCLI):
         cfg.trainer.precision = training_precision(cfg.trainer.get("precision"), device)
         if cfg.model.verifier_dtype == "auto":
             cfg.model.verifier_dtype = str(precision_dtype(cfg.trainer.precision)).replace("torch.", "")
+        if getattr(cfg.model, "verifier_device", "auto") == "auto" and \
+                "fsdp" in str(cfg.trainer.get("strategy") or "").lower():
+            cfg.model.verifier_device = "cpu"  # FSDP shards it from the host: a whole copy per GPU may not fit
 
     def instantiate_trainer(self, **kwargs):
         cfg = self.config
@@ -197,7 +200,8 @@ EXTEND_MAY_CHANGE = ("max_steps", "max_time")
 # Model keys that only choose what is measured, not what is trained: a resumed run may change them.
 MEASURE_KEYS = ("measure_prompts", "measure_k", "measure_new_tokens")
 # Model keys added after runs were saved, with the value that reproduces a config without them.
-ADDED_MODEL_KEYS = {"layer_init": "random", "norm_init": "default", "drop_outside_vocab": False}
+ADDED_MODEL_KEYS = {"layer_init": "random", "norm_init": "default", "drop_outside_vocab": False,
+                    "verifier_device": "auto"}
 
 
 def _comparable(config_text: str, unresolved_precision: bool = False, extend: bool = False) -> str:
