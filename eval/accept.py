@@ -180,9 +180,8 @@ def accept_greedy(target: torch.Tensor, drafts: torch.Tensor, tree: Tree) -> Ver
     depth_cap = max(tree.max_depth, 1)
     if tree.is_chain:
         length = (drafts == target[:, :n]).long().cumprod(1).sum(1)  # the matching prefix
-        steps = torch.arange(depth_cap, device=drafts.device)
-        path = torch.where(steps[None, :n] < length[:, None], steps[None, :n], -1) if n else \
-            torch.full((N, depth_cap), -1, dtype=torch.long, device=drafts.device)
+        steps = torch.arange(depth_cap, device=drafts.device)  # chain node d sits at depth d + 1
+        path = torch.where(steps < length[:, None], steps, -1)  # (an empty chain: one column of -1)
         return Verdict(path=path, accept_length=length, bonus=target.gather(1, length[:, None])[:, 0])
     cur = torch.zeros(N, dtype=torch.long, device=drafts.device)  # column of target: 0 = root, i+1 = node i
     go = torch.ones(N, dtype=torch.bool, device=drafts.device)
