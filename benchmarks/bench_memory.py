@@ -63,7 +63,7 @@ CONFIGS = {
 }
 LOSS_RTOL = 1e-4
 PHASES = ("features", "loss_forward", "backward", "optimizer")
-GIB = 1024 ** 2  # KiB per GiB (ru_maxrss and /proc are in KiB)
+KIB_PER_GIB = 1024 ** 2  # ru_maxrss and /proc report KiB
 
 
 def log(msg: str) -> None:
@@ -168,7 +168,7 @@ def run_one(name: str, verifier_dir: str, steps: int) -> dict:
     baseline = proc_status_kib("VmRSS")
     load_peak = maxrss_kib()
     hwm_reset = reset_peak_rss()
-    log(f"[{name}] loaded in {load_s:.0f}s; RSS {baseline / GIB:.2f} GiB (load peak {load_peak / GIB:.2f} GiB); "
+    log(f"[{name}] loaded in {load_s:.0f}s; RSS {baseline / KIB_PER_GIB:.2f} GiB (load peak {load_peak / KIB_PER_GIB:.2f} GiB); "
         f"{sum(p.numel() for p in params) / 1e6:.1f}M trainable; {torch.get_num_threads()} threads")
 
     # Peak RSS per phase of every step: the high-water mark is reset before each phase (where the kernel allows)
@@ -207,7 +207,7 @@ def run_one(name: str, verifier_dir: str, steps: int) -> dict:
             step_times.append(dt)
         steps_log.append(record)
         log(f"[{name}] {'warm-up' if step == 0 else f'step {step}'}: {dt:.1f}s  loss {float(loss.detach()):.4f}  "
-            + "  ".join(f"{ph} {record[ph]['peak_kib'] / GIB:.2f}" for ph in PHASES) + " GiB peak RSS")
+            + "  ".join(f"{ph} {record[ph]['peak_kib'] / KIB_PER_GIB:.2f}" for ph in PHASES) + " GiB peak RSS")
         del features, loss, parts
 
     def step_name(i: int) -> str:
@@ -269,7 +269,7 @@ def _machine(results: list[dict]) -> dict:
         "torch_num_threads": ok[0]["torch_num_threads"] if ok else None,
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model, "mem_total_gib": round(mem_total / GIB, 1) if mem_total else None,
+        "cpu_model": cpu_model, "mem_total_gib": round(mem_total / KIB_PER_GIB, 1) if mem_total else None,
         "python": platform.python_version(), "platform": platform.platform(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     from spectrain.heads.report import finish, format_table  # imports torch: only now, after the children
 
     def gib(kib):
-        return round(kib / GIB, 3) if kib is not None else "-"
+        return round(kib / KIB_PER_GIB, 3) if kib is not None else "-"
 
     rows = []
     for r in results:

@@ -57,28 +57,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def first_turns(path: str, n: int, out: Path) -> Path:
+def first_turns(path: str, n: int, out: Path) -> list[list[str]]:
+    """The first turn of the first ``n`` rows (also written to ``out``, a record of what was asked)."""
     from spectrain.eval.prompts import load_prompts
 
-    prompts = load_prompts(path, limit=n)
+    prompts = load_prompts(path, limit=n, first_turns=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps({"turns": [p[0]]}) + "\n" for p in prompts))
-    return out
+    write_json(out, prompts)
+    return prompts
 
 
-def our_tau(args, verifier_dir: str, method: str, drafter_dir: Path, prompts: Path, out: Path) -> dict:
-    from spectrain.eval.cli import evaluate
-    from spectrain.eval.cli import parse_args as eval_args
+def our_tau(args, verifier, method: str, drafter_dir: Path, prompts: list[list[str]], out: Path) -> dict:
+    """τ of a chain of ``--k`` by our evaluator (fp32, T = 0, chat template), cached in ``out/eval.json``."""
+    from spectrain.eval.evaluate import evaluate_drafter, load_drafter
 
-    argv = ["--verifier", verifier_dir, "--method", "medusa" if method == "medusa" else "eagle", "--drafter",
-            str(drafter_dir), "--prompts", str(prompts), "--num_prompts", str(args.num_prompts), "--max_new_tokens",
-            str(args.max_new_tokens), "--k", str(args.k), "--chat_template", "on", "--hf_generate", "0",
-            "--dtype", "float32", "--device", "cpu", "--out", str(out), "--allow_verifier_mismatch"]
+    kind = "medusa" if method == "medusa" else "eagle"
+    key = {"drafter": str(drafter_dir), "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
+           "k": args.k}
     cached = out / "eval.json"
     summary = json.loads(cached.read_text()) if cached.is_file() else None
-    if not (summary and summary.get("drafter") == str(drafter_dir) and summary.get("max_new_tokens") == args.max_new_tokens
-            and summary.get("num_prompts") == args.num_prompts and f"chain-{args.k}" in summary.get("results", {})):
-        summary = json.loads(Path(evaluate(eval_args(argv))).read_text())  # else: resume, reuse this row
+    if not (summary and all(summary.get(k) == v for k, v in key.items())):  # else: resume, reuse this row
+        drafter = load_drafter(str(drafter_dir), verifier, kind, allow_mismatch=True)
+        result = evaluate_drafter(verifier, prompts, method=kind, drafter=drafter, k=args.k, chat_template=True,
+                                  hf_generate=0, max_new_tokens=args.max_new_tokens)
+        summary = {**key, **result.to_dict()}
+        write_json(cached, summary)
     chain = summary["results"][f"chain-{args.k}"]
     ar = summary["per_prompt"]["ar"]
     return {"tau": chain["tau"], "identical_to_ar": chain["identical_to_ar"],
@@ -172,7 +175,7 @@ def run(args) -> Path:
     verifier, tokenizer = loaded.model, loaded.tokenizer
     eos = {loaded.model.generation_config.eos_token_id} if isinstance(
         loaded.model.generation_config.eos_token_id, int) else set(loaded.model.generation_config.eos_token_id or [])
-    prompts = first_turns(args.prompts, args.num_prompts, out / "prompts.jsonl")
+    prompts = first_turns(args.prompts, args.num_prompts, out / "prompts.json")
     drafters = []  # (name, method, export dir, ours)
     for spec in args.drafter:
         if "=" not in spec:
@@ -201,7 +204,7 @@ def run(args) -> Path:
     # Our evaluator on the same prompts: tau per drafter, and the prompt token ids vLLM will get.
     ours = {}
     for name, method, export, info in drafters:
-        ours[name] = our_tau(args, verifier_dir, method, export, prompts, out / "ours" / name)
+        ours[name] = our_tau(args, loaded, method, export, prompts, out / "ours" / name)
     prompt_ids = next(iter(ours.values()))["prompt_ids"] if ours else None
     if prompt_ids is None:
         raise SpectrainError("nothing to check: pass --drafter or drop --no_controls")

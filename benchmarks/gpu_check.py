@@ -24,9 +24,11 @@ import torch
 
 from spectrain.data.bundled import bundled_text_path, split_text, train_tokenizer
 from spectrain.data.text import tokenize_lines
-from spectrain.eval.cli import evaluate, parse_args as eval_args
+from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+from spectrain.eval.prompts import load_prompts
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.schedule import cosine_with_warmup
+from spectrain.heads.verifier import load_verifier
 
 SIZES = {  # the verifier: hidden, layers, heads, intermediate, steps, batch, block (the heads: configs/, RECIPE)
     "full": (576, 8, 9, 1536, 1500, 64, 256),
@@ -119,7 +121,7 @@ def train_heads(verifier_dir: Path, out: Path, size: str, device, log) -> dict:
     if size == "small":
         block, batch, steps = 64, 8, 20
     L.seed_everything(recipe["seed_everything"], verbose=False)
-    module = MedusaModule(**{**recipe["model"], "verifier": str(verifier_dir)})
+    module = MedusaModule(**{**recipe["model"]["init_args"], "verifier": str(verifier_dir)})
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
     train_text, val_text = split_text(bundled_text_path().read_text())
     loader = DataLoader(token_rows(tokenizer, train_text, block), batch_size=batch, shuffle=True, drop_last=True,
@@ -159,15 +161,17 @@ def main(argv=None) -> Path:
     t0 = time.time()
     verifier_dir, verifier_info = train_verifier(out / "verifier", size, device, log)
     heads_info = train_heads(verifier_dir, out / "heads", size, device, log)
-    common = ["--verifier", str(verifier_dir), "--drafter", str(out / "heads"), "--device", args.device,
-              "--prompts", "bundled:tinyshakespeare", "--prompt_tokens", "64", "--k", "4"]
-    fast = json.loads(evaluate(eval_args(common + [
-        "--dtype", "bfloat16" if device.type == "cuda" else "float32", "--tree", "auto:32",
-        *(["--compile"] if device.type == "cuda" else []), "--num_prompts", str(args.num_prompts), "--max_new_tokens", str(args.max_new_tokens),
-        "--hf_generate", "3", "--out", str(out / "bf16")])).read_text())
-    exact = json.loads(evaluate(eval_args(common + [
-        "--dtype", "float32", "--tree", "auto:32", "--num_prompts", "3", "--max_new_tokens", "64",
-        "--hf_generate", "0", "--out", str(out / "fp32")])).read_text())
+
+    def measure(dtype: torch.dtype, num_prompts: int, max_new_tokens: int, **options) -> dict:
+        verifier = load_verifier(str(verifier_dir), dtype=dtype, device=args.device)
+        prompts = load_prompts("bundled:tinyshakespeare", num_prompts, verifier.tokenizer, prompt_tokens=64)
+        result = evaluate_drafter(verifier, prompts, method="medusa", drafter=load_drafter(str(out / "heads"), verifier),
+                                  k=4, tree="auto:32", chat_template=False, max_new_tokens=max_new_tokens, **options)
+        return result.to_dict()
+
+    fast = measure(torch.bfloat16 if device.type == "cuda" else torch.float32, args.num_prompts, args.max_new_tokens,
+                   compile=device.type == "cuda", hf_generate=3)
+    exact = measure(torch.float32, 3, 64, hf_generate=0)
     r, hf = fast["results"], fast["hf_generate"]
     rows = [["HF generate()" + (" (static, compiled)" if device.type == "cuda" else ""), "-",
              hf["tokens_per_second"], "-", "-", "-", "-"]]

@@ -25,7 +25,7 @@ import torch
 from spectrain.eval import decode as decode_mod
 from spectrain.eval.accept import accept
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import Drafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter
+from spectrain.eval.drafters import Autoregressive, Drafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.eagle import EagleDrafter
@@ -117,7 +117,7 @@ def bench(args):
     lm_head = model.get_output_embeddings()
     eagle = EagleDrafter.for_verifier(model, "eagle1")
     settings = {
-        "AR": Drafter(),
+        "AR": Autoregressive(),
         "Medusa chain-4": MedusaDrafter(MedusaHeads.for_verifier(model, num_heads=4), lm_head, Tree.chain(4)),
         "Medusa tree-32": MedusaDrafter(MedusaHeads.for_verifier(model, num_heads=4), lm_head, tree_of(32)),
         "EAGLE chain-4": EagleChainDrafter(eagle, model, 4),

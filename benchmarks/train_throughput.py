@@ -196,7 +196,7 @@ def worker(side: str, work: Path, args) -> dict:
 
     configs = code / "configs"
     for method in METHODS:
-        recipe = yaml.safe_load((configs / f"{method}_smollm2.yaml").read_text())["model"]
+        recipe = yaml.safe_load((configs / f"{method}_smollm2.yaml").read_text())["model"]["init_args"]
         recipe.pop("verifier", None)
         module_class = MedusaModule if method == "medusa" else EagleModule
         for source in ("online", "store"):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from spectrain.heads.errors import SpectrainError
+from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.io import atomic_dir, cache_root
 from spectrain.heads.schedule import cosine_with_warmup
 
@@ -220,11 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build (or rebuild) the bundled default verifier.")
     parser.add_argument("--name", default="tinyshakespeare", choices=sorted(RECIPES) + ["smollm2"])
     parser.add_argument("--force", action="store_true", help="rebuild even if it is cached")
-    args = parser.parse_args(argv)
-    try:
-        out = ensure_bundled_verifier(args.name, force=args.force)
-    except SpectrainError as e:
-        sys.exit(f"error: {e}")
+    run_command(build_command, parser.parse_args(argv))
+
+
+def build_command(args) -> None:
+    """``spectrain-build-verifier``'s body: build (or find) the verifier and print its report."""
+    out = ensure_bundled_verifier(args.name, force=args.force)
     report = json.loads((out / "build_report.json").read_text())
     if args.name == "smollm2":
         print(out / "build_report.json")

@@ -10,7 +10,6 @@ when extracted with ``--topk``), see :mod:`spectrain.data.store`.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -224,15 +223,11 @@ class DrafterDataModule(L.LightningDataModule):
         return self._split(ds)
 
     def _chat_cache_dir(self, path) -> Path:
-        from spectrain.heads.io import cache_root
+        from spectrain.heads.io import cache_root, sha256_files
 
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
         tok = self.tokenizer
-        digest.update(repr((tok.name_or_path, len(tok), tok.chat_template, self.block_size)).encode())
-        return cache_root() / "tokenized" / f"chat-{digest.hexdigest()[:24]}"
+        key = repr((tok.name_or_path, len(tok), tok.chat_template, self.block_size)).encode()
+        return cache_root() / "tokenized" / f"chat-{sha256_files(path, extra=key)[:24]}"
 
     def _hf_rows(self):
         import datasets

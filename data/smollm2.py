@@ -13,7 +13,6 @@ llama.cpp; we only need the GGUF file it ships).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.util
 import json
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.io import atomic_dir
+from spectrain.heads.io import atomic_dir, sha256_files
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -68,7 +67,7 @@ def convert(gguf: Path, out_dir: Path, log=print) -> dict:
 
     start = time.time()
     log(f"converting {gguf.name} to an HF model directory (once) ...")
-    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    digest = sha256_files(gguf)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if getattr(model, "hf_quantizer", None) is not None:

@@ -23,10 +23,8 @@ their shard's longest) are refused with a note to re-extract.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -34,21 +32,14 @@ import torch
 
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.host_memory import keep_freed_memory
-from spectrain.heads.io import load_tensors, read_json, save_tensors, write_json
+from spectrain.heads.errors import run_command
+from spectrain.heads.io import load_tensors, read_json, save_tensors, sha256_files, write_json
 from spectrain.heads.verifier import verifier_signature
 
 FORMAT_VERSION = 2
 LAYOUT = "packed"
 LOGIT_CHUNK = 4096  # positions projected onto the vocabulary at a time
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def estimate_bytes(tokens: int, hidden_size: int, num_layers: int, dtype: torch.dtype, topk: int = 0,
@@ -144,7 +135,7 @@ def extract(verifier, rows, out_dir: str | Path, layer_ids: tuple[int, ...], dat
         run_tokens, run_seconds = run_tokens + n_tokens, run_seconds + seconds
         meta["shards"].append({"index": index, "file": path.name, "rows": int(tensors["offsets"].shape[0] - 1),
                                "tokens": n_tokens, "seconds": round(seconds, 3), "bytes": path.stat().st_size,
-                               "sha256": _sha256(path)})
+                               "sha256": sha256_files(path)})
         meta["shards"].sort(key=lambda s: s["index"])
         write_json(record, meta)  # after the shard: a crash never records a missing shard
         log(f"store: shard {index + 1}/{total}: {n_tokens:,} tokens in {seconds:.1f} s "
@@ -281,7 +272,7 @@ class HiddenStateStore(torch.utils.data.Dataset):
             if not file.is_file() or file.stat().st_size != shard["bytes"]:
                 raise SpectrainError(f"store shard {file} is missing or truncated "
                                      f"({file.stat().st_size if file.is_file() else 0} of {shard['bytes']} bytes)")
-            if check_checksums and _sha256(file) != shard["sha256"]:
+            if check_checksums and sha256_files(file) != shard["sha256"]:
                 raise SpectrainError(f"store shard {file} is corrupt (checksum mismatch)")
             tensors = load_tensors(file)
             expected = {"offsets", "input_ids", "loss_mask", "hidden", "aux", "greedy"} | \
@@ -347,30 +338,33 @@ def main(argv=None) -> None:
     p.add_argument("--batch_size", type=int, default=8, help="rows per verifier forward (grouped by length)")
     p.add_argument("--rows_per_shard", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args(argv)
+    run_command(extract_command, p.parse_args(argv))
+
+
+def extract_command(args) -> None:
+    """``spectrain-extract``'s body: extract both splits, then report them (last line: the train metadata)."""
+    from spectrain.heads.eagle import default_aux_layers
+    from spectrain.heads.verifier import load_verifier
+
+    from .datamodule import DrafterDataModule
+
+    verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, dtype=args.verifier_dtype, device=args.device)
     try:
-        from spectrain.heads.eagle import default_aux_layers
-        from spectrain.heads.verifier import load_verifier
-
-        from .datamodule import DrafterDataModule
-
-        verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, dtype=args.verifier_dtype, device=args.device)
         layers = (default_aux_layers(verifier.config.num_hidden_layers) if args.layer_ids == "auto"
                   else [int(x) for x in args.layer_ids.split(",")])
-        data = DrafterDataModule(path=args.data, tokenizer=args.verifier, gguf_file=args.gguf_file,
-                                 block_size=args.block_size)
-        data.setup()
-        rank, world = launcher_rank()  # torchrun / srun: each process extracts its share of the shards
-        for split, rows in (("train", data.train_set), ("validation", data.val_set)):
-            extract(verifier, rows, Path(args.out) / split, tuple(layers), data.data_name, args.dtype,
-                    args.rows_per_shard, batch_size=args.batch_size, pad_id=verifier.tokenizer.pad_token_id or 0,
-                    rank=rank, world=world, topk=args.topk)
-        if world > 1 and not all((Path(args.out) / s / "metadata.json").is_file() for s in ("train", "validation")):
-            print(f"rank {rank}: shards written; the store completes when every rank has finished")
-            return
-    except SpectrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except ValueError:
+        raise SpectrainError(f"--layer_ids takes comma-separated integers or auto, got {args.layer_ids!r}") from None
+    data = DrafterDataModule(path=args.data, tokenizer=args.verifier, gguf_file=args.gguf_file,
+                             block_size=args.block_size)
+    data.setup()
+    rank, world = launcher_rank()  # torchrun / srun: each process extracts its share of the shards
+    for split, rows in (("train", data.train_set), ("validation", data.val_set)):
+        extract(verifier, rows, Path(args.out) / split, tuple(layers), data.data_name, args.dtype,
+                args.rows_per_shard, batch_size=args.batch_size, pad_id=verifier.tokenizer.pad_token_id or 0,
+                rank=rank, world=world, topk=args.topk)
+    if world > 1 and not all((Path(args.out) / s / "metadata.json").is_file() for s in ("train", "validation")):
+        print(f"rank {rank}: shards written; the store completes when every rank has finished")
+        return
     for split in ("train", "validation"):
         meta = read_json(Path(args.out) / split / "metadata.json")
         print(f"{split}: {len(meta['shards'])} shards, {meta['rows']} rows, {meta['extract_tokens']:,} tokens, "

@@ -46,9 +46,10 @@ class Proposal:
 
 
 class Drafter:
-    """Base: no drafts (plain autoregressive decoding through the same loop)."""
+    """Base of every drafter: proposes a tree of candidate tokens each round (:class:`Autoregressive` proposes
+    none)."""
 
-    name = "none"
+    name = "base"
     wants_features = False  # EAGLE drafters read the verifier's features of every committed position
     capture_layers: tuple[int, ...] = ()  # HF hidden_states indices the verifier must keep (EAGLE-3)
 
@@ -64,10 +65,19 @@ class Drafter:
         """Called after the verifier's prefill of a new prompt."""
 
     def propose(self, state: DraftState) -> Proposal:
-        return Proposal(tokens=state.tokens.new_zeros(0))
+        raise NotImplementedError
 
     def advance(self, accepted: int, state: DraftState) -> None:
         """``accepted`` drafts were kept; ``state`` is the context after the round (new root included)."""
+
+
+class Autoregressive(Drafter):
+    """No drafts: plain autoregressive decoding through the same loop (the baseline every speedup divides)."""
+
+    name = "none"
+
+    def propose(self, state: DraftState) -> Proposal:
+        return Proposal(tokens=state.tokens.new_zeros(0))
 
 
 class MedusaDrafter(Drafter):
@@ -93,7 +103,7 @@ class MedusaDrafter(Drafter):
 
     def propose(self, state: DraftState) -> Proposal:
         if self.tree.size == 0:
-            return super().propose(state)
+            return Proposal(tokens=state.tokens.new_zeros(0))
         logits = self._logits(state.hidden)  # (K, V)
         top = logits.topk(self.max_rank, dim=-1).indices  # (K, R)
         if self._index is None or self._index[0].device != top.device:  # once: no host-to-device copy per round

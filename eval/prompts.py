@@ -29,19 +29,25 @@ def load_prompts(spec: str, limit: int | None = None, tokenizer=None, prompt_tok
     if not text.strip():
         raise SpectrainError(f"prompts file is empty: {path}")
     if path.suffix in (".jsonl", ".json"):
-        from spectrain.data.chat import load_records  # stdlib-only JSON/JSONL reader with named errors
-
-        rows = load_records(str(path))
-        prompts = [_turns(row, path, i) for i, row in enumerate(rows)]
-        if spread:
-            categories = [row.get("category") if isinstance(row, dict) else None for row in rows]
-            prompts = [prompts[i] for i in spread_over_categories(categories)]
+        prompts = [turns for turns, _ in prompt_rows(path, spread)]
     else:
         prompts = [[p.strip()] for p in text.split("\n\n") if p.strip()]
     if not prompts:
         raise SpectrainError(f"no prompts in {path}")
     prompts = [p[:1] for p in prompts] if first_turns else prompts
     return prompts[:limit] if limit else prompts
+
+
+def prompt_rows(path: str | Path, spread: bool = False) -> list[tuple[list[str], str | None]]:
+    """Every record of a JSON / JSONL prompt file as (its turns, its ``category`` or None): the one reader of
+    prompt records (``turns``, else ``instruction`` + ``input``, else ``prompt`` / ``question`` / ``text``).
+    ``spread``: rows ordered round-robin over their categories."""
+    from spectrain.data.chat import load_records  # JSON/JSONL reader with named errors
+
+    path = Path(path)
+    rows = load_records(str(path))
+    out = [(_turns(row, path, i), row.get("category") if isinstance(row, dict) else None) for i, row in enumerate(rows)]
+    return [out[i] for i in spread_over_categories([c for _, c in out])] if spread else out
 
 
 def spread_over_categories(categories: list) -> list[int]:

@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import math
+import shlex
 import shutil
 import sys
 import time
@@ -33,22 +34,16 @@ from pathlib import Path
 import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.io import read_json, write_json
+from spectrain.heads.io import read_json, sha256_files, write_json
 from spectrain.heads.medusa import MedusaHeads
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
 
 from . import metrics
-from .accept import Sampling
-from .calibrate import medusa_diagnostics
-from .cli import encode_turn, load_drafter, run_prompts, summarize
-from .drafters import (Drafter, EagleChainDrafter, EagleTreeDrafter, HybridDrafter, MedusaDrafter, NgramDrafter,
-                       check_min_match)
-from .prompts import spread_over_categories
-from .static_model import StaticCausalLM
-from .tree import Tree, build_tree
+from .drafters import check_min_match
+from .evaluate import EvalResult, encode_turn, evaluate_drafter, load_drafter, summarize
+from .prompts import prompt_rows
 
-SHARED = Path("../shared/data")
 PROMPT_SETS = ("mt_bench", "alpaca", "gsm8k")
 
 # Published figures for the side-by-side; their setting differs from ours and the table says how.
@@ -79,9 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sampled", action="append", default=[], metavar="NAME",
                    help="also measure this row's chain at --sampled_temperature (repeatable; a --drafter name, "
                         "'ngram' or 'hybrid-NAME')")
-    p.add_argument("--mt_bench", default=str(SHARED / "prompts/mt_bench.jsonl"), help="MT-bench jsonl ('' skips)")
-    p.add_argument("--alpaca", default=str(SHARED / "prompts/alpaca_80.jsonl"), help="Alpaca-80 jsonl ('' skips)")
-    p.add_argument("--gsm8k", default=str(SHARED / "gsm8k_train.jsonl"), help="GSM8K jsonl ('' skips)")
+    p.add_argument("--mt_bench", default="", help="MT-bench questions jsonl ('turns', 'category'; skipped when empty)")
+    p.add_argument("--alpaca", default="", help="Alpaca-80 jsonl ('instruction', 'input'; skipped when empty)")
+    p.add_argument("--gsm8k", default="", help="GSM8K jsonl ('question'; skipped when empty)")
     p.add_argument("--num_prompts", nargs="+", default=["80"], metavar="N|SET=N",
                    help="prompts per set (MT-bench: spread over categories); SET=N sets one set's count")
     p.add_argument("--max_new_tokens", type=int, default=128)
@@ -103,34 +98,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -------------------------------------------------------------------------------------------- prompts
 
 
-def _jsonl(path: str) -> list[dict]:
-    from spectrain.data.chat import load_records  # JSON/JSONL with named errors
-
-    return load_records(path)
-
-
 def load_set(name: str, path: str, n: int) -> list[dict]:
-    """``[{"prompt": str, "category": str}]`` — MT-bench first turns (round-robin over categories in file order
-    when ``n`` < all), Alpaca-80 instructions (+ input), or GSM8K questions."""
-    rows = _jsonl(path)
-    if name == "mt_bench":
-        for i, r in enumerate(rows):
-            if not isinstance(r.get("turns"), list) or not r["turns"]:
-                raise SpectrainError(f"{path}, record {i}: MT-bench rows need a non-empty 'turns' list")
-        return [{"prompt": rows[i]["turns"][0], "category": rows[i].get("category") or "none"}
-                for i in spread_over_categories([r.get("category") for r in rows])[:n]]
-    out = []
-    for i, r in enumerate(rows[:n]):
-        if name == "alpaca":
-            if not r.get("instruction") and not r.get("turns"):
-                raise SpectrainError(f"{path}, record {i}: Alpaca rows need 'instruction' (or 'turns')")
-            text = r["turns"][0] if r.get("turns") else r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
-        else:
-            if not isinstance(r.get("question"), str):
-                raise SpectrainError(f"{path}, record {i}: GSM8K rows need a 'question' string")
-            text = r["question"]
-        out.append({"prompt": text, "category": r.get("category") or name})
-    return out
+    """``[{"prompt": str, "category": str}]``: the first turns of the first ``n`` records (MT-bench: round-robin
+    over its categories in file order, so any ``n`` covers them evenly) — Alpaca-80 instructions (+ input),
+    GSM8K questions."""
+    if not Path(path).is_file():
+        raise SpectrainError(f"--{name} {path}: file not found")
+    rows = prompt_rows(path, spread=name == "mt_bench")[:n]
+    return [{"prompt": turns[0], "category": category or ("none" if name == "mt_bench" else name)}
+            for turns, category in rows]
 
 
 # -------------------------------------------------------------------------------------------- drafters
@@ -138,16 +114,10 @@ def load_set(name: str, path: str, n: int) -> list[dict]:
 
 def fingerprint(path: str) -> str:
     """SHA-256 over the drafter's weight files: a retrained drafter in the same directory invalidates its rows."""
-    digest = hashlib.sha256()
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
     if not files:
         raise SpectrainError(f"drafter {path}: no .safetensors weights found")
-    for f in files:
-        digest.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
+    return sha256_files(*files, names=True)[:16]
 
 
 def training_info(path: str) -> dict:
@@ -232,88 +202,75 @@ def plan_rows(args, drafters: dict[str, str], sets: dict[str, list[dict]]) -> li
 
 
 class Context:
-    """The verifier, its static-cache runner, the prompt sets and the loaded drafters (loaded once, on demand)."""
+    """The verifier, the prompt sets and the loaded drafters (loaded once, on demand)."""
 
     def __init__(self, args, sets: dict[str, list[dict]]):
         self.args = args
-        self.dtype = resolve_dtype(args.dtype, args.device)
-        self.verifier = load_verifier(args.verifier, dtype=self.dtype, device=args.device)
+        self.verifier = load_verifier(args.verifier, dtype=resolve_dtype(args.dtype, args.device), device=args.device)
         self.tokenizer = self.verifier.tokenizer
         if not getattr(self.tokenizer, "chat_template", None):
             raise SpectrainError(f"verifier {args.verifier} has no chat template: the prompt sets are chat prompts")
-        self.eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self.prompts = {name: [[p["prompt"]] for p in prompts] for name, prompts in sets.items()}
         context = max_context(self.verifier.config)
         longest = max(len(encode_turn(self.tokenizer, [{"role": "user", "content": turns[0]}], True))
                       for prompts in self.prompts.values() for turns in prompts)
-        max_len = longest + args.max_new_tokens + max(args.tree_nodes, args.k) + 2
-        if max_len > context:
+        self.max_len = longest + args.max_new_tokens + max(args.tree_nodes, args.k) + 2
+        if self.max_len > context:
             raise SpectrainError(f"the longest prompt ({longest} tokens) + --max_new_tokens {args.max_new_tokens} "
                                  f"exceeds the verifier's context of {context}")
-        self.runner = StaticCausalLM(self.verifier.model, max_len=max_len, device=args.device)
-        self._heads: dict[str, object] = {}
+        self._drafters: dict[str, object] = {}
 
-    def heads(self, name: str, path: str):
-        if name not in self._heads:
-            self._heads[name] = load_drafter(path, self.verifier, self.args.verifier, False)
-        return self._heads[name]
+    def drafter(self, name: str, path: str):
+        """The trained drafter named ``name`` (loaded on first use)."""
+        if name not in self._drafters:
+            self._drafters[name] = load_drafter(path, self.verifier)
+        return self._drafters[name]
 
-    def run(self, drafter: Drafter, set_name: str, sampling: Sampling) -> list[dict]:
-        """One generation per prompt of the set (records as :func:`.cli.run_prompts` makes them)."""
-        return run_prompts(self.runner, drafter, self.prompts[set_name], self.tokenizer, True, self.args, sampling,
-                           self.eos)
+    def evaluate(self, set_name: str, reference: list[dict] | None = None, **options) -> EvalResult:
+        """One setting on one prompt set through :func:`.evaluate.evaluate_drafter` (no costs, no HF timing)."""
+        return evaluate_drafter(self.verifier, self.prompts[set_name], chat_template=True, hf_generate=0, costs=False,
+                                reference=reference, max_len=self.max_len, max_new_tokens=self.args.max_new_tokens,
+                                seed=self.args.seed, **options)
 
     def sample_outputs(self, records: list[dict]) -> list[str]:
         """The first two outputs as text, for reading the table against what was generated."""
         return [self.tokenizer.decode(t["tokens"], skip_special_tokens=True) for r in records[:2] for t in r["turns"]]
 
 
-def build(ctx: Context, row: dict, path: str, reference: list[dict]) -> tuple[Drafter, dict]:
-    """The row's drafter and what defines it (the tree, and for Medusa the rank accuracies it came from)."""
+def row_options(ctx: Context, row: dict, path: str) -> tuple[dict, dict]:
+    """The row's :func:`evaluate_drafter` keywords and what defines its drafter (for the table and the JSON)."""
     args = ctx.args
-    if row["drafter"] == "ngram":
-        return NgramDrafter(args.k), {"tree": "chain", "nodes": args.k}
-    if row["drafter"].startswith("hybrid-"):
-        reserve = args.k if row["setting"].startswith("tree") else 0  # the lookup branch's nodes
-        learned, definition = build_learned(ctx, {**row, "drafter": row["drafter"][len("hybrid-"):]}, path,
-                                            reference, args.tree_nodes - reserve)
-        merge = not row["setting"].startswith("chain")
-        definition = {**definition, "nodes": definition["nodes"] + reserve, "min_match": args.min_match,
-                      "min_match_sampled": args.min_match_sampled,
-                      "depth": max(definition.get("depth", args.k), args.k),
-                      "tree": ("chain: prompt lookup when it matches, else " if not merge else
-                               "the learned tree + the lookup branch; learned: ") + definition["tree"]}
-        return HybridDrafter(learned, args.k, merge=merge, min_match=args.min_match,
-                             min_match_sampled=args.min_match_sampled), definition
-    return build_learned(ctx, row, path, reference, args.tree_nodes)
-
-
-def build_learned(ctx: Context, row: dict, path: str, reference: list[dict],
-                  tree_nodes: int) -> tuple[Drafter, dict]:
-    """A trained drafter's chain or tree of ``tree_nodes`` draft nodes."""
-    args, heads = ctx.args, ctx.heads(row["drafter"], path)
-    model = ctx.verifier.model
-    medusa = isinstance(heads, MedusaHeads)
-    depth_needed = args.k if row["setting"].startswith("chain") else 1
-    if medusa and heads.config.num_heads < depth_needed:
-        raise SpectrainError(f"drafter {row['drafter']} has {heads.config.num_heads} Medusa heads; a chain of "
+    name, chain = row["drafter"], row["setting"].startswith("chain")
+    if name == "ngram":
+        return {"method": "ngram", "k": args.k}, {"tree": "chain", "nodes": args.k}
+    hybrid = name.startswith("hybrid-")
+    learned = ctx.drafter(name[len("hybrid-"):] if hybrid else name, path)
+    medusa = isinstance(learned, MedusaHeads)
+    if medusa and chain and learned.config.num_heads < args.k:
+        raise SpectrainError(f"drafter {name} has {learned.config.num_heads} Medusa heads; a chain of "
                              f"{args.k} needs {args.k} (train with --model.num_heads {args.k} or lower --k)")
-    if row["setting"].startswith("chain"):
-        drafter = (MedusaDrafter(heads, model.get_output_embeddings(), Tree.chain(args.k)) if medusa
-                   else EagleChainDrafter(heads, model, args.k))
-        return drafter, {"tree": "chain", "nodes": args.k}
-    if medusa:  # Medusa's tree: the most likely rank paths from the heads' measured rank accuracies
-        probe = MedusaDrafter(heads, model.get_output_embeddings(), Tree.chain(heads.config.num_heads))
-        seqs = [t["sequence"] for r in reference for t in r["turns"]]
-        starts = [t["prompt_tokens"] for r in reference for t in r["turns"]]
-        calibration = medusa_diagnostics(ctx.runner, probe, seqs, starts)
-        tree = build_tree(calibration["rank_accuracy"], tree_nodes)
-        return (MedusaDrafter(heads, model.get_output_embeddings(), tree),
-                {"tree": "static, from rank accuracies on the verifier's greedy outputs of this set",
-                 "nodes": tree.size, "depth": tree.max_depth, "rank_accuracy": calibration["rank_accuracy"]})
-    dynamic = (args.tree_depth, args.tree_topk, tree_nodes)
-    return (EagleTreeDrafter(heads, model, dynamic=dynamic),
-            {"tree": "EAGLE-2 dynamic", "nodes": tree_nodes, "depth": args.tree_depth, "topk": args.tree_topk})
+    method = "hybrid" if hybrid else "medusa" if medusa else "eagle"
+    options = {"method": method, "drafter": learned, "temperature": row["temperature"]}
+    if chain:
+        options["k"] = args.k
+        definition = {"tree": "chain", "nodes": args.k}
+    else:
+        reserve = args.k if hybrid else 0  # the lookup branch's nodes, within the same budget
+        options.update(k=0, lookup=reserve)
+        if medusa:  # Medusa's tree: the most likely rank paths from the heads' rank accuracies on this set
+            options["tree"] = f"auto:{args.tree_nodes - reserve}"
+            definition = {"tree": "static, from rank accuracies on the verifier's greedy outputs of this set",
+                          "nodes": args.tree_nodes}
+        else:
+            options["dynamic_tree"] = (args.tree_depth, args.tree_topk, args.tree_nodes)
+            definition = {"tree": "EAGLE-2 dynamic", "nodes": args.tree_nodes, "depth": args.tree_depth,
+                          "topk": args.tree_topk}
+    if hybrid:
+        definition = {**definition, "min_match": args.min_match, "min_match_sampled": args.min_match_sampled,
+                      "tree": ("chain: prompt lookup when it matches, else " if chain else
+                               "the learned tree + the lookup branch; learned: ") + definition["tree"]}
+        options.update(min_match=args.min_match, min_match_sampled=args.min_match_sampled)
+    return options, definition
 
 
 def per_category(records: list[dict], prompts: list[dict]) -> dict[str, float]:
@@ -324,23 +281,24 @@ def per_category(records: list[dict], prompts: list[dict]) -> dict[str, float]:
 
 
 def measure_row(ctx: Context, row: dict, path: str, reference: list[dict], prompts: list[dict]) -> dict:
-    sampling = Sampling(temperature=row["temperature"])
-    drafter, definition = build(ctx, row, path, reference)
+    options, definition = row_options(ctx, row, path)
     t0 = time.time()
-    records = ctx.run(drafter, row["set"], sampling)
-    summary = summarize(records, definition.get("depth", drafter.tree.max_depth))
-    identical = None
-    if sampling.greedy:
-        identical = sum(a["tokens"] == b["tokens"] for ra, rb in zip(reference, records)
-                        for a, b in zip(ra["turns"], rb["turns"]))
-    if isinstance(drafter, HybridDrafter):
-        definition["lookup_round_fraction"] = round(drafter.lookup_rounds / max(drafter.rounds, 1), 4)
+    result = ctx.evaluate(row["set"], reference, **options)
+    setting = next(name for name in result.results if name != "ar")
+    summary, records = result.results[setting], result.per_prompt[setting]
+    depth = len(summary["alpha"])
+    if result.calibration is not None:
+        definition["rank_accuracy"] = result.calibration["rank_accuracy"]
+    if not row["setting"].startswith("chain") or definition.get("min_match"):
+        definition["depth"] = depth
+    if "lookup_round_fraction" in summary:
+        definition["lookup_round_fraction"] = summary["lookup_round_fraction"]
     return {**row, **definition, "tau": summary["tau"], "alpha": summary["alpha"],
             "accept_histogram": summary["accept_histogram"], "verifier_forwards": summary["verifier_forwards"],
             "new_tokens": summary["new_tokens"], "tokens_per_second": summary["tokens_per_second"],
-            "identical_to_greedy": identical, "prompts": len(records), "per_category_tau": per_category(records, prompts),
-            "seconds": round(time.time() - t0, 1),
-            "outputs": ctx.sample_outputs(records)}
+            "identical_to_greedy": summary["identical_turns"] if row["temperature"] == 0 else None,
+            "prompts": len(records), "per_category_tau": per_category(records, prompts),
+            "seconds": round(time.time() - t0, 1), "outputs": ctx.sample_outputs(records)}
 
 
 # -------------------------------------------------------------------------------------------- driver
@@ -396,7 +354,7 @@ def cached(path: Path, fingerprint_: str | None) -> dict | None:
     return row if row.get("fingerprint") == fingerprint_ else None
 
 
-def results(args, log=print) -> Path:
+def results(args: argparse.Namespace, command: str = "spectrain-results", log=print) -> Path:
     counts = prompt_counts(args.num_prompts)
     for key in ("max_new_tokens", "k"):
         if getattr(args, key) < 1:
@@ -441,7 +399,7 @@ def results(args, log=print) -> Path:
             ref = cached(path, "greedy")
             if ref is None:
                 start = time.time()
-                records = ctx.run(Drafter(), name, Sampling())
+                records = ctx.evaluate(name, method="none").per_prompt["ar"]
                 s = summarize(records, 0)
                 ref = {"fingerprint": "greedy", "set": name, "tokens_per_second": s["tokens_per_second"],
                        "new_tokens": s["new_tokens"], "seconds": round(time.time() - start, 1), "records": records,
@@ -463,7 +421,7 @@ def results(args, log=print) -> Path:
             write_json(path, result)  # atomic: a kill leaves the row whole or absent
             log(f"results: row {i}/{len(rows)} {row['key']}: tau {result['tau']:.3f} ({result['seconds']} s)")
         done.append(result)
-    summary = {"command": "spectrain-results " + " ".join(sys.argv[1:]),
+    summary = {"command": command,
                "settings": {**settings["common"], "num_prompts": {k: v["prompts"] for k, v in settings["sets"].items()},
                             "prompt_sets": settings["sets"]},
                "rows": done,
@@ -511,8 +469,9 @@ def tables(summary: dict) -> list[str]:
     return out
 
 
-def main(argv=None) -> None:
-    run_command(results, parse_args(argv))
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    run_command(results, parse_args(argv), shlex.join(["spectrain-results", *argv]))
 
 
 if __name__ == "__main__":

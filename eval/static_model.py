@@ -159,11 +159,11 @@ class StaticCausalLM:
             mask = self.chain_mask(n)
         if not self.static:
             span = self.length + n  # attend over the filled part only
-            out, self.aux = self._run_eager(input_ids, positions, mask[:, :span], slots, span)
+            out, self.aux = self._forward_layers(input_ids, positions, mask[:, :span], slots, span)
             return out
         size = self.bucket(n)
         if size is None:  # past every compiled size (a long prefill), or nothing compiled: eager, static shapes
-            out, self.aux = self._run_eager(input_ids, positions, mask, slots, self.width)
+            out, self.aux = self._forward_layers(input_ids, positions, mask, slots, self.width)
             return out
         if size > n:
             input_ids, positions, mask, slots = self._pad(size - n, input_ids, positions, mask, slots)
@@ -188,7 +188,7 @@ class StaticCausalLM:
         return (torch.cat([input_ids, input_ids.new_zeros(extra)]), torch.cat([positions, positions[-1:].expand(extra)]),
                 torch.cat([mask, pad_mask]), torch.cat([slots, pad_slots]))
 
-    def _run_eager(self, input_ids, positions, mask, slots, span):
+    def _forward_layers(self, input_ids, positions, mask, slots, span):
         """The forward as a pure function of tensors (CUDA: ``span == max_len``, so shapes depend on n only):
         (n, H) final hidden states and the captured layers (n, len(capture) * H), or None."""
         x = self.inner.embed_tokens(input_ids)[None]  # (1, n, H)
@@ -234,7 +234,7 @@ class StaticCausalLM:
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(self.buckets) + 8)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
                                                         8 * len(self.buckets) + 64)
-        self._compiled = torch.compile(self._run_static, backend=backend, dynamic=False, fullgraph=True, **options)
+        self._compiled = torch.compile(self._static_forward, backend=backend, dynamic=False, fullgraph=True, **options)
         t0 = time.perf_counter()
         for size in self.buckets:
             ids = torch.zeros(size, dtype=torch.long, device=self.device)
@@ -244,8 +244,8 @@ class StaticCausalLM:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _run_static(self, input_ids, positions, mask, slots):
-        return self._run_eager(input_ids, positions, mask, slots, self.width)
+    def _static_forward(self, input_ids, positions, mask, slots):
+        return self._forward_layers(input_ids, positions, mask, slots, self.width)
 
     def _layer(self, i, layer, x, cos, sin, slots, mask, span):
         """One decoder layer: attention over the cache through ``mask`` (1, 1, n, span), then the MLP."""

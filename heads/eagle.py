@@ -48,17 +48,19 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
     ``hidden_states[i]`` is the input of decoder layer i (index 0, the embeddings, is never used), which
     is what EAGLE-3 captures, so for N >= 7 layers this is EAGLE-3's ``[2, N//2, N-3]``. Smaller
-    verifiers get min(3, N) distinct ids spread evenly over [1, N] (N=6 -> [1, 3, 6], N=2 -> [1, 2],
-    N=1 -> [1]); the drafter's ``fc`` then takes ``len(ids) * hidden`` inputs instead of 3h.
+    verifiers get min(3, N - 1) distinct ids spread evenly over [1, N - 1] (N=6 -> [1, 3, 5], N=3 -> [1, 2]):
+    ``hidden_states[N]`` is taken after the final norm, which serving engines do not capture, so an exportable
+    default never fuses it (only a 1-layer verifier, which has nothing else, gets [1]). The drafter's ``fc``
+    then takes ``len(ids) * hidden`` inputs instead of 3h.
     """
     if not isinstance(num_layers, int) or num_layers < 1:
         raise SpectrainError(f"the verifier must have at least one layer, got {num_layers!r}")
     if num_layers >= 7:
         return [2, num_layers // 2, num_layers - 3]
-    count = min(3, num_layers)
-    if count == 1:
+    count = min(3, num_layers - 1)
+    if count <= 1:
         return [1]
-    return sorted({1 + (k * (num_layers - 1)) // (count - 1) for k in range(count)})
+    return sorted({1 + (k * (num_layers - 2)) // (count - 1) for k in range(count)})
 
 
 def _require_int(name: str, value, minimum: int = 1) -> None:

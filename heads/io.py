@@ -6,6 +6,7 @@ into place, so a crash never leaves a half-written file that looks complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -19,6 +20,20 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import SpectrainError
+
+
+def sha256_files(*paths: str | os.PathLike, extra: bytes = b"", names: bool = False) -> str:
+    """Hex SHA-256 over the files' bytes in order (each preceded by its file name when ``names``), then
+    ``extra``: the one file hasher (store checksums, tokenization cache keys, drafter fingerprints)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        if names:
+            digest.update(Path(path).name.encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+    digest.update(extra)
+    return digest.hexdigest()
 
 
 @contextmanager

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,28 @@ import torch
 
 WORDS = ("the a cat dog sat on mat ran fast slow river hill tree bird sings quietly under over green blue house "
          "what is where why how king queen lord speak thou thee thy good night day love").split()
+
+
+_CACHES: list[Path] = []
+
+
+def pytest_configure(config):
+    """Every cache a test run writes goes to a temporary directory, set before any test module is imported (HF
+    libraries read their cache paths at import) and inherited by the tests' subprocesses: ``SPECTRAIN_CACHE``
+    (bundled verifiers, built once per run there; tokenized data) and ``HF_HOME`` / ``HF_DATASETS_CACHE``. The
+    user's caches are never written. ``SPECTRAIN_TEST_CACHE=DIR`` keeps them in DIR across runs instead."""
+    kept = os.environ.get("SPECTRAIN_TEST_CACHE")
+    root = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="spectrain-test-cache-"))
+    if not kept:
+        _CACHES.append(root)
+    os.environ["SPECTRAIN_CACHE"] = str(root / "spectrain")
+    os.environ["HF_HOME"] = str(root / "hf")
+    os.environ["HF_DATASETS_CACHE"] = str(root / "hf" / "datasets")
+
+
+def pytest_unconfigure(config):
+    for root in _CACHES:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def sample_text(n_lines: int = 400, seed: int = 0) -> str:

@@ -23,7 +23,7 @@ from spectrain.data.store import HiddenStateStore, extract
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.formats import export_drafter, import_drafter
 from spectrain.heads.verifier import load_verifier
-from spectrain.train.cli import module_for_config, train
+from spectrain.train.cli import train
 
 
 def small(verifier: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -42,9 +42,9 @@ def world(tmp_path_factory, verifier_factory, text_file):
     """Existing outputs the matrix must not damage: a finished Medusa run, an EAGLE-1 run, a store, an export."""
     root = tmp_path_factory.mktemp("matrix")
     verifier = verifier_factory("llama", False, layers=3)
-    train(module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+    train("medusa_tinyshakespeare.yaml",
           args=small(verifier, text_file, root / "medusa-run"))
-    train(module_for_config("eagle1_x.yaml"), "eagle1_tinyshakespeare.yaml",
+    train("eagle1_tinyshakespeare.yaml",
           args=small(verifier, text_file, root / "eagle1-run"))
     data = DrafterDataModule(path=str(text_file), tokenizer=str(verifier), block_size=32)
     data.setup()
@@ -119,27 +119,27 @@ CASES = {
     "unknown config key": lambda w: expect_cli_error(w, ["--model.num_headz", "3"], "num_headz"),
     "wrong type": lambda w: expect_cli_error(w, ["--data.block_size", "many"], "block_size"),
     "zero batch size": lambda w: raises(
-        "data.batch_size must be >= 1", train, module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+        "data.batch_size must be >= 1", train, "medusa_tinyshakespeare.yaml",
         args=train_medusa_args(w, "--data.batch_size", "0")),
     "negative learning rate": lambda w: raises(
-        "model.lr must be > 0", train, module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+        "model.lr must be > 0", train, "medusa_tinyshakespeare.yaml",
         args=train_medusa_args(w, "--model.lr", "-1")),
     "zero checkpoint interval": lambda w: raises(
-        "--checkpoint_every must be >= 1", train, module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+        "--checkpoint_every must be >= 1", train, "medusa_tinyshakespeare.yaml",
         args=train_medusa_args(w, "--checkpoint_every", "0")),
     "finished run without --force": lambda w: raises(
-        "holds a finished run", train, module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+        "holds a finished run", train, "medusa_tinyshakespeare.yaml",
         args=small(w["verifier"], w["text"], w["root"] / "medusa-run")),
     # -- data ---------------------------------------------------------------------------------------------------
     "non-UTF-8 text": lambda w: raises(
-        "not UTF-8", train, module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+        "not UTF-8", train, "medusa_tinyshakespeare.yaml",
         args=small(w["verifier"], non_utf8(w), w["root"] / "new-run")),
     "missing data file": lambda w: raises(
-        "not found", train, module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+        "not found", train, "medusa_tinyshakespeare.yaml",
         args=small(w["verifier"], w["root"] / "absent.jsonl", w["root"] / "new-run")),
     "missing store directory": lambda w: raises(  # not an HF hub id: say how such a path is made
         "does not exist. A hidden-state store is built with spectrain-extract", train,
-        module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+        "medusa_tinyshakespeare.yaml",
         args=small(w["verifier"], w["root"] / "stores" / "distilled", w["root"] / "new-run")),
     # -- stores -------------------------------------------------------------------------------------------------
     "empty store shard": lambda w: raises(
@@ -149,7 +149,7 @@ CASES = {
         "shard-00000.safetensors is corrupt", HiddenStateStore, corrupt_copy(w, "store", flipped_byte) / "train"),
     # -- checkpoints and drafters -------------------------------------------------------------------------------
     "checkpoint of another method": lambda w: raises(
-        "another kind or shape", train, module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+        "another kind or shape", train, "medusa_tinyshakespeare.yaml",
         args=train_medusa_args(w, "--model.init_from", str(w["root"] / "eagle1-run"))),
     "pickle where safetensors are expected": lambda w: raises(
         "is not a readable safetensors file", import_drafter, corrupt_copy(w, "eagle1-run", pickled_weights)),
@@ -179,6 +179,7 @@ def test_matrix_is_large_enough():
     assert len(CASES) >= 15
 
 
+@pytest.mark.integration
 def test_wandb_key_is_never_written(tmp_path, verifier_factory, text_file):
     """A W&B API key in the environment must not end up in configs, logs or summaries."""
     secret = "0123456789abcdef0123456789abcdef01234567"

@@ -9,7 +9,7 @@ import pytest
 from spectrain.data.bundled import bundled_text_path, ensure_bundled_verifier, split_text
 from spectrain.heads.verifier import load_verifier
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +34,9 @@ def test_bundled_verifier_models_the_text(bundled):
 
 
 def test_train_medusa_on_the_bundled_default(bundled, tmp_path):
-    from spectrain.train.cli import module_for_config, train
+    from spectrain.train.cli import train
 
-    path = train(module_for_config("medusa_tinyshakespeare.yaml"), "medusa_tinyshakespeare.yaml",
+    path = train("medusa_tinyshakespeare.yaml",
                  args=["--run_dir", str(tmp_path / "run"), "--logger", "none", "--trainer.max_steps", "30",
                        "--trainer.val_check_interval", "30", "--trainer.limit_val_batches", "4"])
     summary = json.loads(path.read_text())

@@ -15,7 +15,7 @@ import torch
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.medusa import MedusaHeads
 from spectrain.heads.verifier import load_verifier
-from spectrain.train.cli import config_path, module_for_config, train
+from spectrain.train.cli import config_path, train
 
 CONFIGS = sorted(p.name for p in resources.files("spectrain.configs").iterdir() if p.name.endswith(".yaml"))
 
@@ -26,24 +26,30 @@ def small_args(verifier: Path, data: Path, run_dir: Path, *extra: str, logger: s
 
 
 def test_every_config_names_only_arguments_its_classes_take():
-    """Each recipe's model / data / trainer keys are parameters of MedusaModule or EagleModule / DrafterDataModule /
-    Trainer (a misspelt key would otherwise surface only when someone runs that recipe)."""
+    """Each recipe names its LightningModule (model.class_path) and its model / data / trainer keys are parameters
+    of that class / DrafterDataModule / Trainer (a misspelt key would otherwise surface only when someone runs that recipe)."""
+    import importlib
     import inspect
 
     import lightning as L
     import yaml
 
     from spectrain.data.datamodule import DrafterDataModule
+    from spectrain.train.base import DrafterModule
 
     assert {"medusa_tinyshakespeare.yaml", "eagle3_smollm2.yaml", "medusa_gpu_check.yaml"} <= set(CONFIGS)
     for name in CONFIGS:
         recipe = yaml.safe_load(Path(config_path(name)).read_text())
-        for section, cls in (("model", module_for_config(name)), ("data", DrafterDataModule), ("trainer", L.Trainer)):
+        module_path, _, class_name = recipe["model"]["class_path"].rpartition(".")  # the recipe names its class
+        module = getattr(importlib.import_module(module_path), class_name)
+        assert issubclass(module, DrafterModule), name
+        for section, cls, keys in (("model", module, recipe["model"]["init_args"]), ("data", DrafterDataModule,
+                                   recipe.get("data")), ("trainer", L.Trainer, recipe.get("trainer"))):
             accepted = set(inspect.signature(cls.__init__).parameters)
             if cls is not L.Trainer and issubclass(cls, L.LightningModule):
                 accepted |= {p for klass in cls.__mro__ if "__init__" in vars(klass)
                              for p in inspect.signature(klass.__init__).parameters}
-            unknown = set(recipe.get(section) or {}) - accepted
+            unknown = set(keys or {}) - accepted
             assert not unknown, f"{name}: {section} keys {sorted(unknown)} are not arguments of {cls.__name__}"
 
 
@@ -53,7 +59,7 @@ def test_fast_dev_run_per_config(config, verifier_factory, text_file, tmp_path):
     # The tiny vocabulary is smaller than the recipes' draft / training vocabularies.
     extra = (["--model.draft_vocab_size", "null"] if config.startswith("eagle3") else
              ["--model.train_vocab_size", "null"] if "train_vocab_size" in Path(config_path(config)).read_text() else [])
-    path = train(module_for_config(config), config,
+    path = train(config,
                  args=small_args(verifier_factory("llama", False), text_file, tmp_path / "run", "--trainer.fast_dev_run",
                                  "true", *extra))
     summary = json.loads(path.read_text())
@@ -67,6 +73,7 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
 
 
+@pytest.mark.integration
 def test_train_medusa_end_to_end(verifier_factory, text_file, tmp_path):
     verifier_dir = verifier_factory("qwen3", True)
     run_dir = tmp_path / "run"
@@ -111,6 +118,7 @@ def test_train_medusa_end_to_end(verifier_factory, text_file, tmp_path):
     assert (run_dir / "summary.json").read_text() == before
 
 
+@pytest.mark.integration
 def test_print_config():
     proc = run_cli("--print_config")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -120,7 +128,7 @@ def test_print_config():
 def test_checkpoint_without_verifier_weights_is_small(verifier_factory, text_file, tmp_path):
     """A deep verifier and shared-lm_head heads: the checkpoint is a fraction of the verifier's size."""
     verifier_dir = verifier_factory("llama", False, layers=6, hidden=64)
-    train(module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+    train("medusa_tinyshakespeare.yaml",
           args=small_args(verifier_dir, text_file, tmp_path / "run", "--trainer.max_steps", "2",
                           "--trainer.val_check_interval", "2", "--model.shared_lm_head", "true",
                           "--model.num_heads", "2", "--model.num_layers", "1"))
@@ -134,7 +142,7 @@ def test_checkpoint_without_verifier_weights_is_small(verifier_factory, text_fil
 
 
 def test_wandb_offline_logging(verifier_factory, text_file, tmp_path):
-    train(module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+    train("medusa_tinyshakespeare.yaml",
           args=small_args(verifier_factory("llama", False), text_file, tmp_path / "run", "--trainer.max_steps", "2",
                           "--trainer.val_check_interval", "2", logger="wandb"))
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
@@ -168,10 +176,11 @@ def test_bad_input_is_a_clear_error_and_leaves_no_run(case, verifier_factory, te
     run_dir = tmp_path / "run"
     args = small_args(verifier_factory("llama", False), text_file, run_dir) + make_args(tmp_path, None, None)
     with pytest.raises(SpectrainError, match=message):
-        train(module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml", args=args)
+        train("medusa_tinyshakespeare.yaml", args=args)
     assert not run_dir.exists()
 
 
+@pytest.mark.integration
 def test_bad_input_exit_code_without_traceback(tmp_path):
     proc = run_cli("--model.verifier", str(tmp_path / "absent"), "--run_dir", str(tmp_path / "run"))
     assert proc.returncode == 2
@@ -184,7 +193,7 @@ def test_chat_data_skips_rows_without_assistant(verifier_factory, tmp_path):
                                {"from": "gpt", "value": f"the king {i} sat on the hill and did speak thou good night."}]}
             for i in range(12)] + [{"messages": [{"role": "user", "content": "alone"}]}] * 3
     data = write(tmp_path / "chat.jsonl", "\n".join(json.dumps(r) for r in rows))
-    path = train(module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml",
+    path = train("medusa_tinyshakespeare.yaml",
                  args=small_args(verifier_factory("llama", True), data, tmp_path / "run", "--trainer.max_steps", "2",
                                  "--trainer.val_check_interval", "1", "--model.measure_prompts", "2",
                                  "--model.measure_new_tokens", "8"))
@@ -200,6 +209,6 @@ def test_chat_data_skips_rows_without_assistant(verifier_factory, tmp_path):
 def test_time_budget_without_a_step_budget_is_a_clear_error(verifier_factory, text_file, tmp_path):
     """max_time alone leaves the cosine schedule without a length: refused by name, not an OverflowError."""
     with pytest.raises(SpectrainError, match="finite length"):
-        train(module_for_config("medusa_tinyshakespeare.yaml"), "medusa_tinyshakespeare.yaml",
+        train("medusa_tinyshakespeare.yaml",
               args=small_args(verifier_factory("llama", False), text_file, tmp_path / "run", "--trainer.max_steps",
                               "-1", "--trainer.max_time", "00:00:00:30"))

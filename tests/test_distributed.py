@@ -24,6 +24,7 @@ def run_train_medusa(*args):
     return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=900)
 
 
+@pytest.mark.integration
 def test_ddp_two_processes_match_one(tmp_path, verifier_factory, text_file):
     common = ["--model.verifier", str(verifier_factory("llama", False)), "--data.path", str(text_file),
               "--data.block_size", "32", "--trainer.max_steps", "6", "--trainer.val_check_interval", "6",
@@ -57,6 +58,7 @@ def test_ddp_two_processes_match_one(tmp_path, verifier_factory, text_file):
     assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
 
 
+@pytest.mark.integration
 def test_ddp_step_with_a_head_that_has_no_targets(tmp_path, verifier_factory, text_file):
     """A training vocabulary of 2 tokens drops nearly every greedy target, so some heads have no rows in a rank's
     batch: their lm_heads must still take part in the step, or DDP stops at the next one."""
@@ -157,9 +159,9 @@ def test_under_fsdp_the_verifier_is_loaded_on_the_host_and_not_decoded(verifier_
 
     for strategy, want in (("fsdp_drafter", "cpu"), ("ddp", "auto"), (None, "auto")):
         cfg = Namespace(trainer=Namespace(strategy=strategy, accelerator="cpu", precision=None),
-                        model=Namespace(verifier_dtype="auto", verifier_device="auto"))
+                        model=Namespace(init_args=Namespace(verifier_dtype="auto", verifier_device="auto")))
         SpectrainCLI.resolve_precision(cfg)
-        assert cfg.model.verifier_device == want, strategy
+        assert cfg.model.init_args.verifier_device == want, strategy
     module = MedusaModule(verifier=str(verifier_factory("llama", False)), num_heads=1, verifier_dtype="float32",
                           measure_prompts=1, measure_new_tokens=4)
     module._trainer = SimpleNamespace(world_size=1, global_rank=0, strategy=_GlooStrategy(),
@@ -193,6 +195,7 @@ def test_fsdp_units_never_mix_frozen_and_trainable(verifier_factory):
         assert drafter_wrap_policy(module.drafter, recurse=False) and not drafter_wrap_policy(module.drafter, recurse=True)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="runs the real FSDP check instead (see below)")
 def test_fsdp_needs_cuda_in_lightning(tmp_path, verifier_factory, text_file):
     """Lightning's FSDP strategy refuses the CPU accelerator; say so clearly rather than pretend."""
@@ -204,6 +207,7 @@ def test_fsdp_needs_cuda_in_lightning(tmp_path, verifier_factory, text_file):
     assert "Traceback" not in proc.stderr and not (tmp_path / "fsdp").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="Lightning's FSDP needs at least 2 CUDA devices here")
 def test_fsdp_drafter_strategy_trains_on_gpus(tmp_path, verifier_factory, text_file):
     proc = run_train_medusa("--model.verifier", str(verifier_factory("llama", False)), "--data.path", str(text_file),
@@ -271,6 +275,7 @@ def _fsdp_worker(rank: int, world: int, store: str, verifier: str, out: str) -> 
     _gather_to_file(rank, world, results, out)
 
 
+@pytest.mark.integration
 def test_fsdp_sharded_drafter_trains_through_forward(tmp_path, verifier_factory):
     """Lightning's FSDP needs CUDA; torch's own FSDP2 shards on CPU with gloo. Each rank holds half of the
     drafter: a training step must run as the drafter's forward (one gather per step), give every parameter a
@@ -339,6 +344,7 @@ def _validation_worker(rank: int, world: int, store: str, verifier: str, out: st
     _gather_to_file(rank, world, metrics, out)
 
 
+@pytest.mark.integration
 def test_validation_end_takes_the_same_collectives_on_every_rank(tmp_path, verifier_factory):
     """Rank 1 saw no validation batch (so has no sums and no prompts of its own): it must still enter every
     reduction rank 0 enters, and both must report what one process reports for rank 0's batch, measured tau

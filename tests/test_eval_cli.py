@@ -31,6 +31,7 @@ def args_for(setup, *extra):
                        "--max_new_tokens", "12", "--k", "3", "--hf_generate", "1", "--out", str(root / "out"), *extra])
 
 
+@pytest.mark.integration
 def test_eval_end_to_end(setup):
     root = setup[0]
     proc = subprocess.run([sys.executable, "-m", "spectrain.eval.cli", *sys_args(setup, "--tree", "auto:6")],
@@ -49,7 +50,7 @@ def test_eval_end_to_end(setup):
     # Multi-turn: each prompt has two generated turns, the second longer (it contains the first answer).
     turns = summary["per_prompt"]["ar"][0]["turns"]
     assert len(turns) == 2 and turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + turns[0]["new_tokens"] - 1
-    assert summary["hf_generate"]["tokens_per_second"] > 0
+    assert summary["hf_generate"]["new_tokens"] == turns[0]["new_tokens"]  # HF greedy stops where ours does
     assert summary["planner"]["chains"] and summary["calibration"]["rank_accuracy"]
     assert (root / "out" / "alpha.png").is_file() and (root / "out" / "accept_hist.png").is_file()
     assert "tau" in proc.stdout
@@ -59,6 +60,40 @@ def sys_args(setup, *extra):
     root, verifier_dir, prompts = setup
     return ["--verifier", str(verifier_dir), "--drafter", str(root / "heads"), "--prompts", str(prompts),
             "--max_new_tokens", "12", "--k", "3", "--hf_generate", "1", "--out", str(root / "out"), *extra]
+
+
+def test_the_api_takes_a_loaded_verifier_and_returns_a_result(setup):
+    """evaluate_drafter: a loaded verifier, a drafter and prompts in, an EvalResult out; AR records from an
+    earlier call are reused (no second AR decode), with the same tau and lossless outputs."""
+    from spectrain.eval.evaluate import EvalResult, evaluate_drafter, load_drafter
+
+    root, verifier_dir, _ = setup
+    verifier = load_verifier(str(verifier_dir))
+    heads = load_drafter(str(root / "heads"), verifier, "medusa")
+    prompts = [["tell me of the king", "and the queen?"], ["the river ran fast"]]
+    first = evaluate_drafter(verifier, prompts, drafter=heads, k=3, max_new_tokens=10, hf_generate=0,
+                             chat_template=False)
+    assert isinstance(first, EvalResult) and set(first.results) == {"ar", "chain-3"}
+    assert [len(r["turns"]) for r in first.per_prompt["ar"]] == [2, 1]
+    assert first.results["chain-3"]["identical_turns"] == 3 and first.results["chain-3"]["identical_to_ar"]
+    again = evaluate_drafter(verifier, prompts, drafter=heads, k=3, max_new_tokens=10, hf_generate=0,
+                             chat_template=False, costs=False, reference=first.per_prompt["ar"])
+    assert again.per_prompt["ar"] is first.per_prompt["ar"] and again.costs is None and again.planner is None
+    assert again.results["chain-3"]["tau"] == first.results["chain-3"]["tau"]
+    with pytest.raises(SpectrainError, match="method medusa needs a drafter"):
+        evaluate_drafter(verifier, prompts, method="medusa")
+
+
+def test_the_recorded_command_is_the_one_typed(setup, capsys):
+    """main(argv) records the command as the user typed it (quoted), not whatever sys.argv holds."""
+    import shlex
+
+    from spectrain.eval.cli import main
+
+    argv = sys_args(setup, "--method", "ngram", "--drafter", "", "--hf_generate", "0")
+    main(argv)
+    path = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(open(path).read())["command"] == shlex.join(["spectrain-eval", *argv])
 
 
 def test_sampled_eval_runs(setup):
@@ -133,9 +168,32 @@ def test_gpu_check_script_cpu_path(tmp_path):
     assert summary["checks"]["fp32_greedy_identical"] == {"chain-4": True, "tree-32": True}
     assert summary["passed"] is True  # on a CPU only correctness is required (the speed targets are GPU targets)
     assert set(summary["bf16"]["results"]) == {"ar", "chain-4", "tree-32"}
-    assert summary["bf16"]["hf_generate"]["tokens_per_second"] > 0
+    # HF generate() times the same prompts greedily: it makes exactly the tokens our AR loop made
+    assert summary["bf16"]["hf_generate"]["new_tokens"] == summary["bf16"]["results"]["ar"]["new_tokens"]
 
 
+def test_engine_check_measures_our_tau_through_the_api(setup, tmp_path):
+    """engine_check's own-τ step calls evaluate_drafter on the loaded verifier; its cached row is reused."""
+    import argparse
+
+    from tests.scripts import load_script
+
+    our_tau = load_script("engine_check").our_tau
+    root, verifier_dir, _ = setup
+    verifier = load_verifier(str(verifier_dir))
+    args = argparse.Namespace(k=3, max_new_tokens=8)
+    prompts = [["tell me of the king"], ["the river ran"]]
+    first = our_tau(args, verifier, "medusa", root / "heads", prompts, tmp_path / "ours")
+    assert first["identical_to_ar"] is True
+    assert first["prompt_ids"][0] == verifier.tokenizer.apply_chat_template(  # the ids vLLM is then given
+        [{"role": "user", "content": "tell me of the king"}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)
+    stamp = (tmp_path / "ours" / "eval.json").stat().st_mtime_ns
+    assert our_tau(args, verifier, "medusa", root / "heads", prompts, tmp_path / "ours") == first
+    assert (tmp_path / "ours" / "eval.json").stat().st_mtime_ns == stamp  # resumed from the cached row
+
+
+@pytest.mark.integration
 def test_eval_runs_without_the_training_stack(setup, tmp_path):
     """The evaluator needs only torch, transformers and safetensors: after a whole run, none of Lightning,
     datasets, W&B or jsonargparse has been imported."""

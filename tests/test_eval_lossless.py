@@ -11,7 +11,7 @@ import torch
 from spectrain.eval import accept as accept_mod
 from spectrain.eval.accept import Sampling, accept
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import (Drafter, DynamicTreeDrafter, MedusaDrafter, ModelDrafter, NgramDrafter,
+from spectrain.eval.drafters import (Autoregressive, DynamicTreeDrafter, MedusaDrafter, ModelDrafter, NgramDrafter,
                                     truncated_verifier)
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
@@ -53,7 +53,7 @@ def test_greedy_spec_equals_ar_and_hf_generate(verifier, kind):
     histogram = collections.Counter()
     for prompt in prompts():
         expected = hf_greedy(model, prompt, 60)
-        assert generate(runner, Drafter(), prompt, 60).tokens == expected
+        assert generate(runner, Autoregressive(), prompt, 60).tokens == expected
         spec = generate(runner, drafter, prompt, 60)
         assert spec.tokens == expected
         assert sum(spec.emitted_per_round) + 1 == len(spec.tokens)  # +1: the prefill's token
@@ -66,7 +66,7 @@ def test_eos_stops_generation(verifier):
     model, perm = verifier
     runner = StaticCausalLM(model, max_len=128)
     prompt = prompts(1)[0]
-    full = generate(runner, Drafter(), prompt, 30).tokens
+    full = generate(runner, Autoregressive(), prompt, 30).tokens
     eos = full[7]
     first = full.index(eos)
     drafter = MedusaDrafter(oracle_medusa(model, perm, K, noise=0.0), model.get_output_embeddings(), Tree.chain(K))

@@ -170,7 +170,8 @@ def test_bad_exports_leave_nothing_behind(tmp_path, verifier):
         with pytest.raises(SpectrainError, match="holds .* drafters, but this run trained eagle1"):
             export_drafter(eagle1, fmt, tmp_path / fmt)
     small = make_verifier("llama", False, 200, hidden=32, layers=6)
-    last_layer = EagleDrafter.for_verifier(small, "eagle3")  # N=6 -> layers [1, 3, 6]: 6 is after the final norm
+    assert EagleDrafter.for_verifier(small, "eagle3").config.aux_layer_ids == [1, 3, 5]  # the default exports
+    last_layer = EagleDrafter.for_verifier(small, "eagle3", aux_layer_ids=[1, 3, 6])  # 6 is after the final norm
     with pytest.raises(SpectrainError, match=r"hidden_states\[6\].*retrain with --model.aux_layer_ids"):
         export_drafter(last_layer, "eagle3", tmp_path / "last")
     with pytest.raises(SpectrainError, match="pass --verifier"):
@@ -216,6 +217,7 @@ def run_cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.integration
 def test_export_cli(tmp_path, verifier):
     run_dir = tmp_path / "run"
     make_eagle(verifier, "eagle3").save_pretrained(run_dir)

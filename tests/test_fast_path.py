@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from spectrain.eval.accept import Sampling
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import Drafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter, NgramDrafter
+from spectrain.eval.drafters import Autoregressive, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter, NgramDrafter
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.eagle import EagleDrafter
@@ -37,7 +37,7 @@ def setup():
     eagle1 = oracle_eagle1(model, noise=0.5)
     lm_head = model.get_output_embeddings()
     drafters = {
-        "ar": Drafter(),
+        "ar": Autoregressive(),
         "ngram": NgramDrafter(K),
         "medusa-chain": MedusaDrafter(oracle_medusa(model, perm, K, noise=1.4), lm_head, Tree.chain(K)),
         "medusa-tree": MedusaDrafter(oracle_medusa(model, perm, TREE.max_depth, noise=1.4), lm_head, TREE),
@@ -208,4 +208,4 @@ def test_draft_model_dynamic_tree_never_reads_the_device():
     assert reads.count == 0 and proposal.tree.size == 5 and proposal.tokens.shape == (5,)
     runner = StaticCausalLM(model, max_len=MAX_LEN)
     for p in prompts():
-        assert generate(runner, drafter, p, 20).tokens == generate(runner, Drafter(), p, 20).tokens
+        assert generate(runner, drafter, p, 20).tokens == generate(runner, Autoregressive(), p, 20).tokens

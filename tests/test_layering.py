@@ -58,3 +58,34 @@ def test_benchmarks_and_checks_live_outside_the_packages():
     assert not inside, inside
     assert all((ROOT / "benchmarks" / f"{n}.py").is_file() for n in ("bench_store", "bench_streaming", "bench_memory",
                                                                       "gpu_check", "engine_check", "vllm_runner"))
+
+
+SPAWNS = ("subprocess.", "mp.spawn", "Popen(", "start_processes(")
+
+
+def unmarked_spawning_tests(source: str) -> list[str]:
+    """Test functions that start processes (directly or through a helper of their module) without the
+    ``integration`` marker (module-level ``pytestmark`` counts)."""
+    tree = ast.parse(source)
+    if "pytestmark = pytest.mark.integration" in source:
+        return []
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    code = {name: ast.get_source_segment(source, n) for name, n in funcs.items()}
+    spawning = {name for name, text in code.items() if any(s in text for s in SPAWNS)}
+    grew = True
+    while grew:  # helpers that call a spawning helper spawn too
+        new = {name for name, text in code.items() if name not in spawning and any(f"{s}(" in text for s in spawning)}
+        spawning |= new
+        grew = bool(new)
+    return sorted(name for name in spawning if name.startswith("test_") and not any(
+        "integration" in ast.get_source_segment(source, d) for d in funcs[name].decorator_list))
+
+
+def test_every_test_that_starts_processes_is_marked_integration():
+    """The quick run (-m "not integration") stays quick: a test that trains in a subprocess or spawns ranks
+    carries the marker."""
+    problems = {p.name: unmarked_spawning_tests(p.read_text()) for p in sorted((ROOT / "tests").glob("test_*.py"))}
+    assert not {k: v for k, v in problems.items() if v}
+    sample = "import subprocess\ndef run():\n    subprocess.run(['x'])\ndef test_a():\n    run()\n"
+    assert unmarked_spawning_tests(sample) == ["test_a"]  # the check can fail
+    assert unmarked_spawning_tests(sample.replace("def test_a", "@pytest.mark.integration\ndef test_a")) == []

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from spectrain.heads import precision
 from spectrain.heads.formats import export_drafter, import_drafter
 from spectrain.heads.verifier import load_verifier, verifier_features
-from spectrain.train.cli import SpectrainCLI, module_for_config, train
+from spectrain.train.cli import SpectrainCLI, train
 from spectrain.train.eagle import EagleModule
 from spectrain.train.losses import projected_cross_entropy
 from spectrain.train.medusa import MedusaModule
@@ -37,10 +37,10 @@ def test_auto_precision_follows_the_cpu_capability(monkeypatch, native):
             ("32-true", "auto", "32-true", "float32"), ("bf16-mixed", "auto", "bf16-mixed", "bfloat16"),
             ("bf16-mixed", "float32", "bf16-mixed", "float32")]:
         cfg = SimpleNamespace(trainer={"accelerator": "cpu", "precision": forced},
-                              model=SimpleNamespace(verifier_dtype=verifier_dtype))
+                              model=SimpleNamespace(init_args=SimpleNamespace(verifier_dtype=verifier_dtype)))
         cfg.trainer = _Dict(cfg.trainer)
         SpectrainCLI.resolve_precision(cfg)
-        assert (cfg.trainer.precision, cfg.model.verifier_dtype) == (want_precision, want_dtype)
+        assert (cfg.trainer.precision, cfg.model.init_args.verifier_dtype) == (want_precision, want_dtype)
 
 
 def test_amx_alone_counts_as_native(monkeypatch):
@@ -97,7 +97,7 @@ def test_bf16_mixed_training_with_clipping(config, extra, verifier_factory, text
     """Real bf16-mixed steps with fused AdamW and gradient clipping (Lightning alone refuses this combination)."""
     clip = 1e-3  # far below the raw gradient norm, so clipping must have acted
     GradNormProbe.norms = []
-    path = train(module_for_config(config), config, args=[
+    path = train(config, args=[
         "--model.verifier", str(verifier_factory("llama", False, layers=3)), "--data.path", str(text_file),
         "--data.block_size", "32", "--data.batch_size", "4", "--trainer.max_steps", "3",
         "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2", "--trainer.precision", "bf16-mixed",
@@ -113,7 +113,7 @@ def test_bf16_mixed_training_with_clipping(config, extra, verifier_factory, text
 def test_probe_sees_unclipped_norms_without_a_binding_threshold(verifier_factory, text_file, tmp_path):
     """The probe can fail: without a binding threshold the recorded norms are far above 1e-3."""
     GradNormProbe.norms = []
-    train(module_for_config("medusa_x.yaml"), "medusa_tinyshakespeare.yaml", args=[
+    train("medusa_tinyshakespeare.yaml", args=[
         "--model.verifier", str(verifier_factory("llama", False, layers=3)), "--data.path", str(text_file),
         "--data.block_size", "32", "--data.batch_size", "4", "--trainer.max_steps", "3", "--model.num_heads", "2",
         "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1", "--trainer.precision", "bf16-mixed",
@@ -321,6 +321,7 @@ def test_store_greedy_and_topk_give_the_online_loss(verifier_factory, text_file,
 
 
 # -- host memory --------------------------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_freed_host_memory_is_reused_without_page_faults():
     """A loop of steps that allocate and free the same large tensors: with keep_freed_memory() the later steps reuse
     the pages (no faults); glibc's default unmaps and re-faults them every step (24K faults for 96 MiB)."""
@@ -344,7 +345,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
 # -- decoding dtype -------------------------------------------------------------------------------------------------
 def test_decode_dtype_follows_capability_then_measurement(verifier_factory, monkeypatch):
     from spectrain.eval import decode_dtype as dd
-    from spectrain.eval.cli import parse_args, verify_width
+    from spectrain.eval.evaluate import Settings, verify_sizes
 
     model = load_verifier(str(verifier_factory("llama", False)), dtype="float32").model
     monkeypatch.setattr(dd, "bf16_is_native", lambda device: False)
@@ -357,7 +358,8 @@ def test_decode_dtype_follows_capability_then_measurement(verifier_factory, monk
     assert next(model.parameters()).dtype == torch.float32  # the loaded model is not cast; a copy was timed
     timings = iter([0.001, 0.002])
     assert dd.decode_dtype(model, "cpu", 1)[0] == torch.float32
-    assert verify_width(parse_args(["--method", "none"])) == 1
-    assert verify_width(parse_args(["--method", "ngram", "--k", "5"])) == 6
-    assert verify_width(parse_args(["--method", "medusa", "--k", "4", "--tree", "auto:32"])) == 33
-    assert verify_width(parse_args(["--method", "eagle", "--k", "4", "--dynamic_tree", "6,8,64"])) == 65
+    assert verify_sizes(Settings(method="none")) == [1]
+    assert max(verify_sizes(Settings(method="ngram", k=5))) == 6
+    assert verify_sizes(Settings(method="medusa", k=4, tree="auto:32")) == [1, 5, 33]
+    assert verify_sizes(Settings(method="eagle", k=4, dynamic_tree=(6, 8, 64))) == [1, 5, 65]
+    assert verify_sizes(Settings(method="hybrid", k=4, tree="auto:32")) == [1, 5, 37]  # + the lookup branch

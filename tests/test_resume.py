@@ -48,6 +48,7 @@ def args_for(verifier_factory, text_file):
     return make
 
 
+@pytest.mark.integration
 def test_kill_9_then_rerun_matches_uninterrupted(tmp_path, args_for):
     straight = run(args_for(tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -75,6 +76,7 @@ def test_kill_9_then_rerun_matches_uninterrupted(tmp_path, args_for):
     assert again.returncode == 2 and "holds a finished run" in again.stderr
 
 
+@pytest.mark.integration
 def test_changed_config_or_damaged_checkpoint_is_refused(tmp_path, args_for):
     crashed = run(args_for(tmp_path / "r"), crash_at=5)
     assert crashed.returncode == -signal.SIGKILL
@@ -88,6 +90,7 @@ def test_changed_config_or_damaged_checkpoint_is_refused(tmp_path, args_for):
     assert fresh.returncode == 0, fresh.stderr[-3000:]
 
 
+@pytest.mark.integration
 def test_extend_a_finished_run(tmp_path, args_for):
     """--extend continues a finished run from its last checkpoint with a larger budget; nothing else may change."""
     def with_steps(steps: int, *extra: str) -> list[str]:

@@ -111,13 +111,13 @@ def test_bad_stores_are_refused(setup, verifier_factory, tmp_path):
 ])
 def test_train_from_the_store_in_bf16_mixed_with_clipping(setup, tmp_path, config, extra):
     """What a GPU run does by default (bf16-mixed, fused AdamW, clipping), from stored features, per method."""
-    from spectrain.train.cli import module_for_config, train
+    from spectrain.train.cli import train
     from tests.test_precision_and_vocab import GradNormProbe
 
     verifier_dir, _, store = setup
     clip = 1e-3  # below the raw gradient norm: clipping must act
     GradNormProbe.norms = []
-    path = train(module_for_config(config), config,
+    path = train(config,
                  args=["--model.verifier", str(verifier_dir), "--data.path", str(store), "--data.batch_size", "4",
                        "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.precision",
                        "bf16-mixed", "--trainer.gradient_clip_val", str(clip),
@@ -348,8 +348,8 @@ def test_only_a_nodes_first_rank_checksums_the_store(setup, monkeypatch):
 
     verifier_dir, _, store = setup
     hashed = []
-    real = store_module._sha256
-    monkeypatch.setattr(store_module, "_sha256", lambda path: hashed.append(path) or real(path))
+    real = store_module.sha256_files
+    monkeypatch.setattr(store_module, "sha256_files", lambda path: hashed.append(path) or real(path))
     for local_rank, expect in (("1", False), ("0", True)):
         hashed.clear()
         monkeypatch.setenv("LOCAL_RANK", local_rank)

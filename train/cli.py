@@ -1,5 +1,6 @@
-"""Training entry points: ``train_medusa`` (and later ``train_eagle``) on LightningCLI.
+"""Training entry points ``train_medusa`` and ``train_eagle`` on LightningCLI.
 
+A recipe YAML names its LightningModule (``model.class_path``; ``init_args`` are its ``__init__`` arguments).
 Every ``__init__`` argument of the drafter module and the data module is a CLI
 flag and a YAML key (``--model.num_heads 3``, ``--data.block_size 128``,
 ``--trainer.max_steps 100``); ``--print_config`` prints the resolved config.
@@ -28,7 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from spectrain.data.datamodule import DrafterDataModule
-from spectrain.heads.errors import SpectrainError
+from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.precision import precision_dtype, training_precision
 from spectrain.heads.report import finish, format_table
 
@@ -70,18 +71,17 @@ def wandb_offline() -> bool:
 class SpectrainCLI(LightningCLI):
     """LightningCLI that adds the run directory, logger choice and the best-drafter checkpoint."""
 
-    def __init__(self, model_class: type[DrafterModule], default_config: str, args=None):
-        self.method = model_class.method_name
-        super().__init__(
-            model_class, DrafterDataModule, run=False, save_config_callback=None, auto_configure_optimizers=False,
-            seed_everything_default=0, args=args,
+    def __init__(self, default_config: str, args=None):
+        super().__init__(  # the recipe names its module (model.class_path), as torchgeo's configs do
+            DrafterModule, DrafterDataModule, subclass_mode_model=True, run=False, save_config_callback=None,
+            auto_configure_optimizers=False, seed_everything_default=0, args=args,
             parser_kwargs={"default_config_files": [config_path(default_config)],
-                           "description": f"Train {self.method} drafters on a frozen verifier."},
+                           "description": "Train a drafter (the recipe's model.class_path) on a frozen verifier."},
         )
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("model.verifier", "data.tokenizer")
-        parser.link_arguments("model.verifier_gguf_file", "data.gguf_file")
+        parser.link_arguments("model.init_args.verifier", "data.tokenizer")
+        parser.link_arguments("model.init_args.verifier_gguf_file", "data.gguf_file")
         parser.add_argument("--run_dir", type=Optional[str], default=None,
                             help="output directory (default: runs/<method>-<verifier>-<data>)")
         parser.add_argument("--force", type=bool, default=False,
@@ -102,9 +102,10 @@ class SpectrainCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config
+        self.method = recipe_method(cfg.model)
         if not cfg.run_dir:
             data = cfg.data.path or "tinyshakespeare"
-            cfg.run_dir = str(Path("runs") / f"{self.method}-{_slug(cfg.model.verifier)}-{_slug(data)}")
+            cfg.run_dir = str(Path("runs") / f"{self.method}-{_slug(cfg.model.init_args.verifier)}-{_slug(data)}")
         self.run_dir = Path(cfg.run_dir).expanduser()
         if (self.run_dir / "summary.json").exists() and not (cfg.force or cfg.extend):
             raise SpectrainError(f"{self.run_dir} holds a finished run (summary.json); pass --extend with a larger "
@@ -128,11 +129,25 @@ class SpectrainCLI(LightningCLI):
         accelerator = str(cfg.trainer.get("accelerator") or "auto")
         device = "cuda" if torch.cuda.is_available() and accelerator in ("auto", "gpu", "cuda") else "cpu"
         cfg.trainer.precision = training_precision(cfg.trainer.get("precision"), device)
-        if cfg.model.verifier_dtype == "auto":
-            cfg.model.verifier_dtype = str(precision_dtype(cfg.trainer.precision)).replace("torch.", "")
-        if getattr(cfg.model, "verifier_device", "auto") == "auto" and \
+        model = cfg.model.init_args
+        if model.verifier_dtype == "auto":
+            model.verifier_dtype = str(precision_dtype(cfg.trainer.precision)).replace("torch.", "")
+        if getattr(model, "verifier_device", "auto") == "auto" and \
                 "fsdp" in str(cfg.trainer.get("strategy") or "").lower():
-            cfg.model.verifier_device = "cpu"  # FSDP shards it from the host: a whole copy per GPU may not fit
+            model.verifier_device = "cpu"  # FSDP shards it from the host: a whole copy per GPU may not fit
+
+    def instantiate_classes(self) -> None:
+        """As LightningCLI's, but a module's bad-input error reaches the user as it was raised: jsonargparse takes
+        any ValueError from a subclass's ``__init__`` (SpectrainError is one) for "not this type" and rewraps it."""
+        try:
+            super().instantiate_classes()
+        except ValueError as e:
+            cause = e
+            while cause is not None and not isinstance(cause, SpectrainError):
+                cause = cause.__cause__
+            if cause is None:
+                raise
+            raise cause from None
 
     def instantiate_trainer(self, **kwargs):
         cfg = self.config
@@ -168,10 +183,22 @@ class SpectrainCLI(LightningCLI):
                            offline=wandb_offline())
 
 
-def train(model_class: type[DrafterModule], default_config: str, args=None) -> Path:
-    """Parse, train, export the best drafter and write ``summary.json``; returns its path."""
+def recipe_method(model_config) -> str:
+    """``medusa``, ``eagle1`` or ``eagle3``: what a parsed ``model`` section (class_path + init_args) trains."""
+    variant = getattr(model_config.init_args, "variant", None)
+    if variant:
+        return variant
+    module, _, name = model_config.class_path.rpartition(".")
+    import importlib
+
+    return getattr(importlib.import_module(module), name).method_name
+
+
+def train(default_config: str, args=None) -> Path:
+    """Parse (``default_config`` under the user's ``--config`` and flags), train, export the best drafter and write
+    ``summary.json``; returns its path."""
     t0 = time.time()
-    cli = SpectrainCLI(model_class, default_config, args=args)
+    cli = SpectrainCLI(default_config, args=args)
     model, data, trainer, run_dir = cli.model, cli.datamodule, cli.trainer, cli.run_dir
     data.setup("fit")  # bad data fails here, before the run directory exists
     if data.block_size > model.verifier_context:
@@ -217,6 +244,8 @@ def _comparable(config_text: str, unresolved_precision: bool = False, extend: bo
     for key in RESUME_MAY_CHANGE:
         config.pop(key, None)
     model = config.get("model") or {}
+    if "init_args" in model:  # compared by init args (runs saved before recipes named their class had no class_path)
+        model = config["model"] = dict(model["init_args"] or {})
     for key in MEASURE_KEYS:
         model.pop(key, None)
     if model.get("variant") == "eagle1":
@@ -378,31 +407,15 @@ def summary_tables(summary: dict) -> list[str]:
     return [per_head, facts]
 
 
-def _main(model_class: type[DrafterModule], default_config: str) -> None:
-    try:
-        train(model_class, default_config)
-    except SpectrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def module_for_config(name: str) -> type[DrafterModule]:
-    """The drafter module a recipe YAML in ``configs/`` is written for (by its ``<method>_`` prefix)."""
-    from .eagle import EagleModule
-    from .medusa import MedusaModule
-
-    modules = {"medusa": MedusaModule, "eagle1": EagleModule, "eagle3": EagleModule}
-    method = name.split("_", 1)[0]
-    if method not in modules:
-        raise SpectrainError(f"config {name!r} names no known method; expected a prefix in {sorted(modules)}")
-    return modules[method]
+def _main(default_config: str) -> None:
+    run_command(train, default_config)
 
 
 def train_medusa() -> None:
-    """Console script ``train_medusa``."""
-    _main(module_for_config("medusa_tinyshakespeare.yaml"), "medusa_tinyshakespeare.yaml")
+    """Console script ``train_medusa``: the Medusa recipe by default (``--config`` another recipe)."""
+    _main("medusa_tinyshakespeare.yaml")
 
 
 def train_eagle() -> None:
     """Console script ``train_eagle`` (EAGLE-3 by default; ``--model.variant eagle1`` or ``--config`` another recipe)."""
-    _main(module_for_config("eagle3_tinyshakespeare.yaml"), "eagle3_tinyshakespeare.yaml")
+    _main("eagle3_tinyshakespeare.yaml")

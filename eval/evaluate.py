@@ -1,0 +1,520 @@
+"""The evaluation API: one typed function that decodes prompts with a drafter through our lossless speculative
+loop, beside plain autoregressive decoding of the same prompts, and returns what it measured.
+
+``spectrain-eval`` and ``spectrain-results`` are thin command lines around :func:`evaluate_drafter`; the checks in
+``benchmarks/`` call it directly::
+
+    verifier = load_verifier("bundled:tinyshakespeare", dtype=torch.float32)
+    drafter = load_drafter("runs/medusa", verifier)
+    result = evaluate_drafter(verifier, [["To be, or not"]], method="medusa", drafter=drafter, k=4)
+    result.results["chain-4"]["tau"]
+
+Imports only torch and transformers (and safetensors through the drafter loaders).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.formats import import_drafter
+from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.verifier import Verifier, max_context
+
+from . import metrics
+from .accept import Sampling
+from .calibrate import medusa_diagnostics
+from .costs import draft_cost, plan, probe_state, verify_cost
+from .decode import generate
+from .drafters import (Autoregressive, Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter,
+                       HybridDrafter, MedusaDrafter, ModelDrafter, NgramDrafter, check_min_match, truncated_verifier)
+from .static_model import StaticCausalLM
+from .tree import Tree, build_tree, expected_accept_length
+
+METHODS = ("medusa", "eagle", "ngram", "hybrid", "draft-model", "truncated", "none")
+PLANNER_TREES = (4, 8, 16, 32, 64)  # the Medusa planner's tree sizes
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How to draft and decode (:func:`evaluate_drafter`'s keyword arguments, checked)."""
+
+    method: str = "medusa"
+    k: int = 4
+    tree: str | None = None
+    dynamic_tree: tuple[int, int, int] | None = None
+    lookup: int = 0
+    draft_layers: int = 1
+    min_match: int = 2
+    min_match_sampled: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    compile: bool = False
+    seed: int = 0
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k)
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise SpectrainError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.k < 0:
+            raise SpectrainError(f"k must be >= 0, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise SpectrainError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.method == "hybrid":
+            check_min_match(self.min_match, self.min_match_sampled)
+
+
+@dataclass
+class EvalResult:
+    """What :func:`evaluate_drafter` measured.
+
+    ``results``: per setting (``"ar"``, ``"chain-4"``, ``"tree-32"``, ``"dynamic-6x8-64"``) τ, α by depth, the
+    accept-length histogram, tokens/s, ms per token, speedup over AR (measured and ideal) and whether every T = 0
+    output equals AR's; ``per_prompt``: per setting, every turn's tokens and rounds; ``costs``: verify / draft
+    milliseconds per round; ``planner``: expected speedups by chain length (and tree size, Medusa);
+    ``calibration``: Medusa heads' rank accuracies, KL and TV on AR's outputs."""
+
+    method: str
+    device: str
+    dtype: str
+    sampling: dict
+    num_prompts: int
+    max_new_tokens: int
+    chat_template: bool
+    results: dict[str, dict]
+    per_prompt: dict[str, list[dict]]
+    costs: dict | None = None
+    planner: dict | None = None
+    calibration: dict | None = None
+    hf_generate: dict | None = None
+    compile: dict | None = None
+    eval_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -------------------------------------------------------------------------------------------- drafters
+
+
+def load_drafter(path: str, verifier: Verifier, method: str | None = None, allow_mismatch: bool = False):
+    """Any drafter (a run dir or an export in any format) on the verifier's device and dtype, in eval mode.
+
+    ``method`` ``"medusa"`` / ``"eagle"`` refuses the other kind; the drafter's recorded verifier name must be
+    the verifier's unless ``allow_mismatch`` (sizes are always checked)."""
+    if not path:
+        raise SpectrainError(f"--method {method} needs --drafter (a train_medusa / train_eagle run directory or "
+                             "an export)")
+    drafter = import_drafter(path, verifier_model=verifier.model)
+    recorded = drafter.config.verifier
+    if recorded and recorded != verifier.name and not allow_mismatch:
+        raise SpectrainError(f"drafter {path} was trained for verifier {recorded!r}, not {verifier.name!r}; "
+                             "pass --allow_verifier_mismatch if they are the same model")
+    if method == "medusa" and not isinstance(drafter, MedusaHeads):
+        raise SpectrainError(f"{path} holds an {drafter.config.variant} drafter: use --method eagle")
+    if method == "eagle" and isinstance(drafter, MedusaHeads):
+        raise SpectrainError(f"{path} holds Medusa heads: use --method medusa")
+    param = next(verifier.model.parameters())
+    return drafter.to(param.device, param.dtype).eval()
+
+
+def learned_kind(method: str, learned) -> str:
+    """The learned drafter's kind behind ``method`` (hybrid: whichever drafter it was given)."""
+    if method != "hybrid":
+        return method
+    return "medusa" if isinstance(learned, MedusaHeads) else "eagle"
+
+
+def lookup_length(s: Settings) -> int:
+    """A hybrid's lookup branch: ``lookup``, else ``k``, else as deep as the static tree (0 for other methods)."""
+    if s.method != "hybrid":
+        return 0
+    if s.lookup or s.k:
+        return s.lookup or s.k
+    if s.tree and not s.tree.startswith("auto:"):
+        return Tree.load(s.tree).max_depth
+    if s.dynamic_tree:
+        return s.dynamic_tree[0]
+    raise SpectrainError("a hybrid tree from auto:N needs k > 0 or lookup > 0 (the lookup branch's length)")
+
+
+def verify_sizes(s: Settings) -> list[int]:
+    """Every verifier forward size the job decodes with: AR's 1, and 1 + each chain, tree or dynamic-tree budget
+    (a hybrid's static tree gains its lookup branch; a dynamic budget already holds it)."""
+    if s.method == "none":
+        return [1]
+    sizes, lookup = [s.k], lookup_length(s)
+    if s.tree and s.tree.startswith("auto:") and s.tree[5:].isdigit():
+        sizes.append(int(s.tree[5:]) + lookup)
+    elif s.tree:
+        sizes.append(Tree.load(s.tree).size + lookup)
+    if s.dynamic_tree:
+        sizes.append(s.dynamic_tree[2])
+    return [1] + [1 + n for n in sizes]
+
+
+def dynamic_name(dynamic_tree: tuple[int, int, int]) -> str:
+    depth, topk, budget = dynamic_tree
+    return f"dynamic-{depth}x{topk}-{budget}"
+
+
+def make_trees(s: Settings, learned, calibration: dict | None) -> dict[str, Tree]:
+    """The job's settings by name: a chain of k, a static tree, a dynamic tree (its depth sizes the metrics)."""
+    kind = learned_kind(s.method, learned)
+    trees = {}
+    if s.k > 0:
+        trees[f"chain-{s.k}"] = Tree.chain(s.k)
+    if s.tree:
+        if s.tree.startswith("auto:"):
+            if calibration is None:
+                raise SpectrainError("--tree auto:N needs measured rank accuracies (Medusa drafters)")
+            size = int(s.tree.split(":", 1)[1])
+            trees[f"tree-{size}"] = build_tree(calibration["rank_accuracy"], size)
+        else:
+            tree = Tree.load(s.tree)
+            trees[f"tree-{tree.size}"] = tree
+    if s.dynamic_tree:
+        if kind not in ("draft-model", "truncated", "eagle"):
+            raise SpectrainError("--dynamic_tree needs a drafter that drafts autoregressively (eagle, draft-model, "
+                                 "truncated, or hybrid with an EAGLE drafter)")
+        trees[dynamic_name(s.dynamic_tree)] = Tree.chain(s.dynamic_tree[0])
+    if s.method != "none" and not trees:
+        raise SpectrainError("nothing to evaluate: give --k > 0 and/or --tree")
+    for name, tree in trees.items():
+        if kind == "medusa" and tree.max_depth > learned.config.num_heads:
+            raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter has "
+                                 f"{learned.config.num_heads} heads")
+        if s.method in ("ngram", "draft-model", "truncated") and not tree.is_chain and not name.startswith("dynamic"):
+            raise SpectrainError(f"--method {s.method} drafts chains only; drop --tree")
+    return trees
+
+
+def build_drafter(s: Settings, tree: Tree, model, learned, draft_model, max_len: int, name: str = "") -> Drafter:
+    """The drafter of one setting (``model``: the verifier's HF model; ``learned``: the learned drafter)."""
+    if s.method == "hybrid":
+        return build_hybrid(s, tree, model, learned, name)
+    if name.startswith("dynamic"):
+        if s.method == "eagle":
+            return EagleTreeDrafter(learned, model, dynamic=s.dynamic_tree)
+        small = truncated_verifier(model, s.draft_layers) if s.method == "truncated" else draft_model
+        return DynamicTreeDrafter(small, *s.dynamic_tree, max_len)
+    if s.method == "medusa":
+        return MedusaDrafter(learned, model.get_output_embeddings(), tree)
+    if s.method == "eagle":
+        return (EagleChainDrafter(learned, model, tree.size) if tree.is_chain
+                else EagleTreeDrafter(learned, model, tree=tree))
+    if s.method == "ngram":
+        return NgramDrafter(tree.size)
+    if s.method == "truncated":
+        return ModelDrafter(truncated_verifier(model, s.draft_layers), tree.size, max_len)
+    if s.method == "draft-model":
+        return ModelDrafter(draft_model, tree.size, max_len)
+    return Autoregressive()
+
+
+def build_hybrid(s: Settings, tree: Tree, model, learned, name: str) -> HybridDrafter:
+    """Prompt lookup + the learned drafter: a chain switches per round; a tree gains the lookup branch (a dynamic
+    tree's budget keeps room for it, so the whole tree stays within the dynamic tree's budget)."""
+    k = lookup_length(s)
+    options = dict(min_match=s.min_match, min_match_sampled=s.min_match_sampled)
+    if name.startswith("dynamic"):
+        depth, topk, budget = s.dynamic_tree
+        if budget <= k:
+            raise SpectrainError(f"--dynamic_tree budget {budget} leaves no room beside the lookup branch of {k}")
+        inner = EagleTreeDrafter(learned, model, dynamic=(depth, topk, budget - k))
+        return HybridDrafter(inner, k, merge=True, **options)
+    if isinstance(learned, MedusaHeads):
+        inner = MedusaDrafter(learned, model.get_output_embeddings(), tree)
+    else:
+        inner = (EagleChainDrafter(learned, model, tree.size) if tree.is_chain
+                 else EagleTreeDrafter(learned, model, tree=tree))
+    return HybridDrafter(inner, tree.size if tree.is_chain else k, merge=not tree.is_chain, **options)
+
+
+# -------------------------------------------------------------------------------------------- runs
+
+
+def encode_turn(tokenizer, history: list[dict], use_template: bool) -> list[int]:
+    if use_template:
+        return tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return tokenizer("\n".join(m["content"] for m in history), add_special_tokens=False)["input_ids"]
+
+
+def run_prompts(runner: StaticCausalLM, drafter: Drafter, prompts: list[list[str]], tokenizer, use_template: bool,
+                s: Settings) -> list[dict]:
+    """Generate every turn of every prompt (later turns see the earlier answers, as MT-bench does)."""
+    generator = torch.Generator(device=runner.device).manual_seed(s.seed)
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    records = []
+    for i, turns in enumerate(prompts):
+        history, record = [], {"prompt": i, "turns": []}
+        for turn in turns:
+            history.append({"role": "user", "content": turn})
+            ids = encode_turn(tokenizer, history, use_template)
+            if len(ids) + s.max_new_tokens + drafter.max_nodes + 1 > runner.max_len:
+                raise SpectrainError(f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {s.max_new_tokens} "
+                                     f"exceed the verifier's context of {runner.max_len}")
+            gen = generate(runner, drafter, ids, s.max_new_tokens, s.sampling, eos, generator)
+            history.append({"role": "assistant", "content": tokenizer.decode(gen.tokens, skip_special_tokens=True)})
+            record["turns"].append(turn_record(ids, gen))
+        records.append(record)
+    return records
+
+
+def turn_record(ids: list[int], gen) -> dict:
+    """One generated turn as the summaries read it."""
+    return {"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "stop": gen.stop,
+            "accept_lengths": gen.accept_lengths, "emitted_per_round": gen.emitted_per_round,
+            "prefill_seconds": gen.prefill_seconds, "decode_seconds": gen.decode_seconds,
+            "tokens": gen.tokens, "sequence": ids + gen.tokens}
+
+
+def summarize(records: list[dict], depth: int) -> dict:
+    """τ (pooled), α by depth, the accept-length histogram and speeds of one setting's records."""
+    turns = [t for r in records for t in r["turns"]]
+    accept = [a for t in turns for a in t["accept_lengths"]]
+    new_tokens = sum(t["new_tokens"] for t in turns)
+    decode = sum(t["decode_seconds"] for t in turns)
+    total = decode + sum(t["prefill_seconds"] for t in turns)
+    # Decode throughput counts the tokens made by verify rounds (the prefill's token is timed with the prefill).
+    decode_tokens = sum(sum(t["emitted_per_round"]) for t in turns)
+    return {
+        "tau": metrics.tau([t["emitted_per_round"] for t in turns]),
+        "alpha": metrics.alphas(accept, depth),
+        "accept_histogram": metrics.histogram(accept, depth),
+        "verifier_forwards": len(accept),
+        "new_tokens": new_tokens,
+        "wall_seconds": total,
+        "tokens_per_second": new_tokens / max(total, 1e-9),
+        "decode_ms_per_token": 1000 * decode / max(decode_tokens, 1),
+        "distinct_4gram": metrics.distinct_ngram_ratio([t["tokens"] for t in turns]),
+    }
+
+
+def identical_turns(reference: list[dict], records: list[dict]) -> int:
+    """Turns whose tokens equal the reference's."""
+    return sum(a["tokens"] == b["tokens"] for ra, rb in zip(reference, records) for a, b in zip(ra["turns"], rb["turns"]))
+
+
+@torch.no_grad()
+def divergences(runner: StaticCausalLM, ar_records: list[dict], spec_records: list[dict]) -> dict:
+    """Where greedy spec and AR outputs differ (near-ties flip in low precision) and the verifier's top-1 vs
+    top-2 logit margin at the first differing token (teacher-forced on the AR sequence)."""
+    cases, turns = [], 0
+    for ra, rs in zip(ar_records, spec_records):
+        for ta, ts in zip(ra["turns"], rs["turns"]):
+            turns += 1
+            first = next((i for i, (a, b) in enumerate(zip(ta["tokens"], ts["tokens"])) if a != b), None)
+            if first is None:
+                continue
+            seq = ta["sequence"][:ta["prompt_tokens"] + first]
+            runner.reset()
+            logits = runner.logits(runner.forward(torch.tensor(seq, device=runner.device))[-1])
+            runner.reset()
+            top2 = logits.topk(2).values
+            cases.append({"prompt": ra["prompt"], "token_index": first, "margin": float(top2[0] - top2[1])})
+    return {"turns": turns, "diverged": len(cases), "cases": cases}
+
+
+def hf_generate_speed(model, tokenizer, prompts: list[list[str]], use_template: bool, s: Settings,
+                      n: int) -> dict | None:
+    """HF ``generate()`` tokens/s on the first n prompts (greedy or sampled as configured, warm-up excluded)."""
+    if n <= 0:
+        return None
+    ids = [encode_turn(tokenizer, [{"role": "user", "content": p[0]}], use_template) for p in prompts[:n]]
+    kwargs = dict(max_new_tokens=s.max_new_tokens, do_sample=s.temperature > 0, pad_token_id=tokenizer.pad_token_id)
+    if s.temperature > 0:
+        kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None)
+    device = next(model.parameters()).device
+    compiled = s.compile and device.type == "cuda"
+    forward = model.forward
+    if compiled:  # HF's fast path: static cache + compiled forward
+        kwargs["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        # Warm-up (and compilation) excluded: compiled, every prompt length is a prefill shape of its own.
+        for x in (ids if compiled else ids[:1]):
+            for _ in range(2 if compiled else 1):
+                model.generate(torch.tensor([x], device=device), **kwargs)
+        tokens, seconds = 0, 0.0
+        for x in ids:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(torch.tensor([x], device=device), **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds += time.perf_counter() - t0
+            tokens += out.shape[1] - len(x)
+    finally:
+        model.forward = forward  # the caller's model is left as it was given
+    return {"prompts": len(ids), "new_tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9)}
+
+
+# -------------------------------------------------------------------------------------------- the API
+
+
+def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: str = "medusa", drafter=None,
+                     draft_model: torch.nn.Module | None = None, k: int = 4, tree: str | None = None,
+                     dynamic_tree: tuple[int, int, int] | None = None, lookup: int = 0, draft_layers: int = 1,
+                     min_match: int = 2, min_match_sampled: int = 4, max_new_tokens: int = 128,
+                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, chat_template: bool | None = None,
+                     compile: bool = False, hf_generate: int = 3, costs: bool = True,
+                     reference: list[dict] | None = None, max_len: int | None = None, seed: int = 0) -> EvalResult:
+    """Decode ``prompts`` with AR and with every drafting setting the arguments name; measure τ, α, speed.
+
+    Args:
+        verifier: the loaded verifier (:func:`spectrain.heads.verifier.load_verifier`); its device and dtype are
+            the run's.
+        prompts: per prompt its user turns (later turns see the earlier answers, as MT-bench does).
+        method: ``medusa`` | ``eagle`` | ``ngram`` | ``hybrid`` (prompt lookup + ``drafter``) | ``draft-model``
+            | ``truncated`` (the verifier's first ``draft_layers`` layers) | ``none`` (AR only).
+        drafter: the learned drafter (:func:`load_drafter`) for medusa / eagle / hybrid.
+        draft_model: a causal LM with the verifier's vocabulary, for ``draft-model``.
+        k: chain length (drafts per round); 0 skips the chain.
+        tree: a static tree as JSON rank paths (inline or a file), or ``auto:N`` for the best N-node tree from
+            the Medusa heads' rank accuracies measured on AR's outputs.
+        dynamic_tree: ``(depth, topk, budget)`` of an EAGLE-2 dynamic tree (eagle, draft-model, truncated, hybrid).
+        lookup: a hybrid's lookup branch length (default ``k``).
+        min_match, min_match_sampled: a hybrid's lookup threshold at T = 0 and at T > 0.
+        temperature, top_p, top_k: decoding (T = 0: greedy, where every output must equal AR's).
+        chat_template: render turns with the tokenizer's chat template (None: when it has one).
+        compile: compile one graph per verify size, warmed up before anything is timed.
+        hf_generate: prompts also timed with HF ``generate()`` (0: skip).
+        costs: measure per-round verify / draft costs, the ideal speedup and the planner.
+        reference: AR records of these prompts from an earlier call (``result.per_prompt["ar"]``): reused
+            instead of decoding AR again.
+        max_len: KV-cache positions (default: what the longest prompt's turns need).
+        seed: the sampling generator's seed, the same for every setting.
+    """
+    s = Settings(method=method, k=k, tree=tree, dynamic_tree=tuple(dynamic_tree) if dynamic_tree else None,
+                 lookup=lookup, draft_layers=draft_layers, min_match=min_match, min_match_sampled=min_match_sampled,
+                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, compile=compile,
+                 seed=seed)
+    s.check()
+    if method in ("medusa", "eagle", "hybrid") and drafter is None:
+        raise SpectrainError(f"method {method} needs a drafter")
+    if method == "draft-model" and draft_model is None:
+        raise SpectrainError("method draft-model needs a draft_model")
+    if not prompts or not all(prompts):
+        raise SpectrainError("no prompts to evaluate (every prompt needs at least one turn)")
+    model, tokenizer = verifier.model, verifier.tokenizer
+    param = next(model.parameters())
+    device, sampling = param.device, s.sampling
+    torch.manual_seed(seed)
+    context = max_context(verifier.config)
+    if max_new_tokens >= context:
+        raise SpectrainError(f"--max_new_tokens {max_new_tokens} is beyond the verifier's context of {context}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    use_template = has_template if chat_template is None else chat_template
+    if use_template and not has_template:
+        raise SpectrainError("chat template on, but the verifier's tokenizer has no chat template")
+    kind = learned_kind(method, drafter)
+    if max_len is None:
+        longest = max(len(encode_turn(tokenizer, [{"role": "user", "content": t}], use_template))
+                      for p in prompts for t in p)
+        max_len = min(context, max(len(p) for p in prompts) * (longest + max_new_tokens + 16) + 80)
+    eagle3_layers = tuple(drafter.config.aux_layer_ids) if kind == "eagle" and drafter.is_eagle3 else ()
+    runner = StaticCausalLM(model, max_len=max_len, device=device, static=True if compile else None)
+    compile_seconds = None
+    if compile:  # every size compiled and warmed up here, before anything is timed
+        runner.capture = eagle3_layers  # kept by every drafter's run: one set of graphs
+        planner_sizes = list(range(2, k + 2)) + ([1 + n for n in PLANNER_TREES] if kind == "medusa" else [])
+        compile_seconds = runner.compile(verify_sizes(s) + (planner_sizes if costs else []))
+
+    t0 = time.time()
+    ar_records = reference if reference is not None else run_prompts(runner, Autoregressive(), prompts, tokenizer,
+                                                                     use_template, s)
+    results = {"ar": summarize(ar_records, 0)}
+    per_prompt = {"ar": ar_records}
+    calibration = None
+    if kind == "medusa" and (costs or (tree or "").startswith("auto:")):
+        probe = MedusaDrafter(drafter, model.get_output_embeddings(), Tree.chain(drafter.config.num_heads))
+        seqs = [t["sequence"] for r in ar_records for t in r["turns"]]
+        starts = [t["prompt_tokens"] for r in ar_records for t in r["turns"]]
+        calibration = medusa_diagnostics(runner, probe, seqs, starts, temperature=max(temperature, 1.0),
+                                         decoding=sampling)
+    trees = make_trees(s, drafter, calibration)
+
+    if costs:
+        probe_prompt = encode_turn(tokenizer, [{"role": "user", "content": prompts[0][0]}], use_template)
+        state = probe_state(runner, probe_prompt, sampling, eagle3_layers)
+        t_decode = verify_cost(runner, Tree.chain(0), len(probe_prompt))
+        cost_table = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
+    t_verify, t_draft = {}, {}
+    for name, shape_tree in trees.items():
+        spec = build_drafter(s, shape_tree, model, drafter, draft_model, max_len, name)
+        records = run_prompts(runner, spec, prompts, tokenizer, use_template, s)
+        # A hybrid's lookup branch reaches its own depth whatever the learned tree's depth.
+        summary = summarize(records, max(shape_tree.max_depth, lookup_length(s)))
+        same = identical_turns(ar_records, records)
+        summary.update(tree_size=spec.max_nodes, tree_paths=[list(p) for p in shape_tree.paths],
+                       speedup=results["ar"]["decode_ms_per_token"] / max(summary["decode_ms_per_token"], 1e-9),
+                       identical_turns=same,
+                       identical_to_ar=sampling.greedy and same == sum(len(r["turns"]) for r in records))
+        if isinstance(spec, HybridDrafter):
+            summary["lookup_round_fraction"] = round(spec.lookup_rounds / max(spec.rounds, 1), 4)
+        if sampling.greedy:
+            summary["divergences"] = divergences(runner, ar_records, records)
+        if calibration is not None and not shape_tree.is_chain:
+            summary["expected_accept_length"] = expected_accept_length(shape_tree.paths, calibration["rank_accuracy"])
+        if costs:
+            verified = shape_tree if spec.max_nodes == shape_tree.size else Tree.chain(spec.max_nodes)
+            tv, td = verify_cost(runner, verified, len(probe_prompt)), draft_cost(spec, state)
+            summary["ideal_speedup"] = summary["tau"] * t_decode / (tv + td)
+            summary["speedup_vs_ideal"] = summary["speedup"] / max(summary["ideal_speedup"], 1e-9)
+            cost_table["settings"][name] = {"t_verify_ms": 1000 * tv, "t_draft_ms": 1000 * td}
+            if shape_tree.is_chain and not name.startswith("dynamic"):
+                t_verify[shape_tree.size], t_draft[shape_tree.size] = tv, td
+        results[name] = summary
+        per_prompt[name] = records
+    planner = None
+    if costs:
+        planner = plan_speedups(s, results, trees, runner, model, drafter, draft_model, max_len, calibration, state,
+                                t_decode, t_verify, t_draft, len(probe_prompt))
+    hf = hf_generate_speed(model, tokenizer, prompts, use_template, s, hf_generate)
+    return EvalResult(
+        method=method, device=str(device), dtype=str(param.dtype).replace("torch.", ""), sampling=asdict(sampling),
+        num_prompts=len(prompts), max_new_tokens=max_new_tokens, chat_template=use_template, results=results,
+        per_prompt=per_prompt, costs=cost_table if costs else None, planner=planner, calibration=calibration,
+        hf_generate=hf, compile=None if compile_seconds is None else {"seconds": compile_seconds,
+                                                                       "buckets": list(runner.buckets)},
+        eval_seconds=time.time() - t0)
+
+
+def plan_speedups(s: Settings, results: dict, trees: dict, runner, model, learned, draft_model, max_len: int,
+                  calibration, state, t_decode: float, t_verify: dict, t_draft: dict, context: int) -> dict | None:
+    """Expected speedup of every chain length up to the measured depth (and, for Medusa, of trees of every size
+    from the measured rank accuracies), from measured α and per-round costs."""
+    chain = next((results[n] for n in trees if n.startswith("chain")), None)
+    planner = None
+    if chain is not None:
+        depth = len(chain["alpha"])
+        for n in range(1, depth + 1):
+            if n not in t_verify:
+                t_verify[n] = verify_cost(runner, Tree.chain(n), context)
+                t_draft[n] = (t_draft.get(depth, 0.0) if learned_kind(s.method, learned) == "medusa" else
+                              draft_cost(build_drafter(s, Tree.chain(n), model, learned, draft_model, max_len), state))
+        planner = {"chains": plan(chain["alpha"], t_decode, t_verify, t_draft)}
+        planner["best_chain"] = max(planner["chains"], key=lambda r: r["expected_speedup"], default=None)
+        planner["measured_chain"] = {"n": s.k, "speedup": chain["speedup"]}
+    if calibration is not None:  # trees of every size from the measured rank accuracies
+        planner = planner or {}
+        planner["trees"] = []
+        for size in PLANNER_TREES:
+            tree = build_tree(calibration["rank_accuracy"], size)
+            cost = verify_cost(runner, tree, context) + t_draft.get(s.k, 0.0)
+            tau_n = 1 + expected_accept_length(tree.paths, calibration["rank_accuracy"])
+            planner["trees"].append({"n": size, "expected_tau": tau_n, "expected_speedup": tau_n * t_decode / cost})
+        planner["best_tree"] = max(planner["trees"], key=lambda r: r["expected_speedup"])
+    return planner
+
