@@ -23,6 +23,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,17 +88,25 @@ def stop_after_parsing():
         argparse.ArgumentParser.parse_args = real
 
 
-def check(argv: list[str]) -> str:
-    """Parse one command as written; returns what was checked (raises on a flag or value the command refuses)."""
+def check(argv: list[str], redirect: str | None = None) -> str:
+    """Parse one command as written; returns what was checked (raises on a flag or value the command refuses).
+    ``redirect``: the file the page sends its stdout to (a printed config that a later command reads)."""
     import importlib
 
     program = argv[0]
     if program in TRAIN:
         from spectrain.train.cli import train
 
-        with contextlib.redirect_stdout(io.StringIO()), exit_codes() as exits:
+        note = ""
+        if "--config" in argv[:-1] and not Path(argv[argv.index("--config") + 1]).is_file():
+            i = argv.index("--config") + 1  # the user's own recipe: checked against the default one instead
+            note, argv = f" (the user's {argv[i]}: the default recipe in its place)", argv[:i - 1] + argv[i + 1:]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed), exit_codes() as exits:
             train(TRAIN[program], args=argv[1:] + ["--print_config"])
-        return "recipe and flags (--print_config)" if exits == [0] else f"exit {exits}"
+        if redirect:
+            Path(redirect).write_text(printed.getvalue())
+        return ("recipe and flags (--print_config)" + note) if exits == [0] else f"exit {exits}"
     if program in OURS or (program == "python" and len(argv) > 1 and argv[1].startswith("benchmarks/")):
         if program in OURS:
             module, rest = importlib.import_module(OURS[program]), argv[1:]
@@ -132,24 +141,35 @@ def exit_codes():
             raise SpectrainError(f"refused its arguments (exit {e.code})") from None
 
 
-def expand(command: str, env: dict[str, str]) -> list[str]:
-    """``$VAR`` / ``${VAR}`` from assignments earlier on the page; unknown ones stay a placeholder."""
+def expand(command: str, env: dict[str, str]) -> tuple[list[str], str | None]:
+    """``$VAR`` / ``${VAR}`` from assignments earlier on the page (unknown ones stay a placeholder), split into
+    words; and the file a ``> FILE`` redirection names."""
     text = re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), m.group(1).upper()), command)
-    text = text.split(">", 1)[0]  # output redirection is the shell's business
-    return shlex.split(text)
+    text, _, redirect = text.partition(">")
+    return shlex.split(text), (redirect.strip() or None)
+
+
+def assignment(command: str) -> tuple[str, str] | None:
+    """``NAME=value`` (or ``export NAME=value``; quoted values may hold spaces) -> (name, value)."""
+    words = shlex.split(command)
+    words = words[1:] if words and words[0] == "export" else words
+    if len(words) == 1 and re.fullmatch(r"\w+=.*", words[0]):
+        name, _, value = words[0].partition("=")
+        return name, value
+    return None
 
 
 def check_page(path: Path) -> list[dict]:
     rows, env = [], {}
     for command in commands(path.read_text()):
-        assignment = re.fullmatch(r"(?:export\s+)?(\w+)=(\S+)", command)
-        if assignment:
-            env[assignment.group(1)] = assignment.group(2)
+        assigned = assignment(command)
+        if assigned:
+            env[assigned[0]] = assigned[1]
             continue
-        argv = expand(command, env)
+        argv, redirect = expand(command, env)
         row = {"page": str(path.relative_to(ROOT)), "command": command}
         try:
-            row["checked"] = check(argv)
+            row["checked"] = check(argv, redirect)
             row["ok"] = True
         except Exception as e:  # every failure is reported, the next command still checked
             row.update(ok=False, checked=f"{type(e).__name__}: {str(e)[:300]}")
@@ -196,7 +216,11 @@ def measure(args) -> Path:
                              [[r["seconds"], r["rc"], r["command"][:70], r["last_line"][-60:]] for r in rows],
                              title=f"{args.run}, run in {args.workdir}")
     else:
-        rows = [row for page in pages() for row in check_page(page)]
+        with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):  # what the pages write lands here
+            for name in ("configs", "pretrained", "benchmarks", "docs", "runs"):  # relative paths as in a clone
+                if (ROOT / name).exists():
+                    os.symlink(ROOT / name, Path(scratch) / name)
+            rows = [row for page in pages() for row in check_page(page)]
         table = format_table(["page", "ok", "command", "checked"],
                              [[r["page"], "yes" if r["ok"] else "NO", r["command"][:80], r["checked"][:60]]
                               for r in rows], title="every command in README.md and docs/, parsed as written")

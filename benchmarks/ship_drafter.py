@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -150,5 +149,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def main(argv: list[str] | None = None) -> Path:
+    return run_command(main_, parse_args(argv))
+
+
 if __name__ == "__main__":
-    run_command(main_, parse_args(sys.argv[1:]))
+    main()

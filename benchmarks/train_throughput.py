@@ -278,7 +278,7 @@ def report(sides: dict, peaks: dict, args, setup: dict) -> dict:
             "settings": vars(args)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="runs/bench/train_throughput.json")
     p.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of the 'old' side")
@@ -291,7 +291,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
     p.add_argument("--worker", choices=["old", "new"], help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, Path(args.work), args)))
         return

@@ -119,5 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def main(argv: list[str] | None = None) -> Path:
+    return run_command(main_, parse_args(argv))
+
+
 if __name__ == "__main__":
-    run_command(main_, parse_args())
+    main()

@@ -247,8 +247,9 @@ def distill(verifier, records: list[dict], out: Path, settings: dict, batch_size
             f.flush()
             os.fsync(f.fileno())  # a batch is either on disk whole or (torn last line) dropped on resume
             written += len(batch)
-            log(f"distill: {len(done) + written}/{len(records) - skipped} conversations, "
-                f"{tokens / max(time.time() - t0, 1e-9):.1f} generated tokens/s")
+            log(f"distill: {len(done) + written}/{len(records) - skipped} conversations, " + (
+                f"{tokens} reply tokens written (the dataset's own)" if original else
+                f"{tokens / max(time.time() - t0, 1e-9):.1f} generated tokens/s"))
     return {"already_done": len(done), "written": written, "skipped_without_user_turn": skipped,
             "generated_tokens": tokens, "loops_dropped": loops, "prompt_too_long": too_long, "seconds": round(time.time() - t0, 1)}
 
@@ -370,7 +371,9 @@ def run(args) -> Path:
                                          ["reply tokens written", counts["generated_tokens"]] if args.responses == "original"
                                          else ["generated tokens/s", round(counts["generated_tokens"] /
                                                                            max(counts["seconds"], 1e-9), 1)]],
-                         title=f"self-distillation with {args.verifier} -> {out}")
+                         title=(f"raw twin (the dataset's replies, cut at {args.max_new_tokens} tokens of {args.verifier}'s "
+                                f"tokenizer; nothing generated) -> {out}" if args.responses == "original"
+                                else f"self-distillation with {args.verifier} -> {out}"))
     return finish(summary, out.with_name(out.name + ".summary.json"), [table])
 
 

@@ -149,6 +149,34 @@ def test_wandb_offline_logging(verifier_factory, text_file, tmp_path):
     assert runs, "an offline W&B run directory is written when there is no API key"
 
 
+CONSOLE_NOISE = ("Run history", "wandb:", "litlogger", "/-2", "Total FLOPs", "LeafSpec", "Loading weights")
+
+
+@pytest.mark.integration
+def test_the_console_shows_the_result_not_the_noise(verifier_factory, text_file, tmp_path):
+    """train_medusa as a user runs it (W&B offline, no WANDB_SILENT in the shell): no W&B banner or run-history
+    dump, no tip to install another logger, no "Epoch 0/-2", no model summary of zero FLOPs, no weight-loading
+    bars — the table and the summary path. The same run with the quieting switched off shows the noise."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SILENT"}
+    verifier = verifier_factory("llama", False)
+
+    def console(quiet: bool, run_dir: Path) -> tuple[str, str]:
+        argv = small_args(verifier, text_file, run_dir, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+                          logger="wandb")
+        code = ("import sys, spectrain.train.cli as c\n" + ("" if quiet else "c.quiet_console = lambda: None\n")
+                + f"sys.argv = ['train_medusa'] + {argv!r}\n" + "c.train_medusa()\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout, proc.stderr
+
+    out, err = console(True, tmp_path / "quiet")
+    assert not [noise for noise in CONSOLE_NOISE if noise in out + err], out + err
+    assert "predicted tau" in out and out.strip().splitlines()[-1].endswith("summary.json")
+    assert f"W&B run (offline) in {tmp_path / 'quiet' / 'wandb'}" in out
+    out, err = console(False, tmp_path / "noisy")
+    assert "wandb:" in out + err  # the check above can fail
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

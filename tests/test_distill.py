@@ -157,3 +157,15 @@ def test_report_command(tmp_path, setup, verifier_factory, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(path)
     stats = json.loads(path.read_text())["mix"]
     assert [s["data"] for s in stats][-1] == "all" and stats[-1]["replies"] == 2 * stats[0]["replies"]
+
+
+def test_the_raw_twin_command_says_nothing_was_generated(tmp_path, setup, verifier_factory, capsys):
+    """spectrain-distill --responses original reports reply tokens written, not a generation speed."""
+    verifier, records = setup
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records[:3]) + "\n")
+    distill_mod.main(["--verifier", str(verifier_factory("llama", False)), "--data", str(data), "--responses",
+                      "original", "--max_new_tokens", "8", "--device", "cpu", "--out", str(tmp_path / "raw.jsonl")])
+    out = capsys.readouterr().out
+    assert "nothing generated" in out and "reply tokens written" in out
+    assert "self-distillation" not in out and "tokens/s" not in out

@@ -14,18 +14,20 @@ unfinished run.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import shutil
 import socket
 import sys
 import time
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from spectrain.data.datamodule import DrafterDataModule
@@ -66,6 +68,28 @@ def wandb_offline() -> bool:
         return False
     except OSError:
         return True
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's progress bar without "Epoch 0/-2": runs are budgeted in steps (max_epochs is -1)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if (self.trainer.max_epochs or -1) < 0:
+            return f"Epoch {current_epoch}".ljust(len(self.validation_description))
+        return super()._get_train_description(current_epoch)
+
+
+def quiet_console() -> None:
+    """The console shows the run's result, not third-party chatter: no W&B banner or run-history dump (the run
+    directory holds the W&B files; ``WANDB_SILENT=false`` brings them back), no Lightning tip to install another
+    logger, no weight-loading bars, no deprecation warning from Lightning's own internals."""
+    os.environ.setdefault("WANDB_SILENT", "true")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars for the verifier
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: "litlogger" not in record.getMessage())
 
 
 class SpectrainCLI(LightningCLI):
@@ -160,6 +184,11 @@ class SpectrainCLI(LightningCLI):
                                                  every_n_train_steps=cfg.checkpoint_every, save_top_k=1,
                                                  monitor=None, enable_version_counter=False)
         callbacks = list(trainer_cfg.get("callbacks") or []) + [self.checkpoint, self.resume_checkpoint]
+        if trainer_cfg.get("enable_progress_bar", True) is not False and \
+                not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(StepProgressBar())
+        if trainer_cfg.get("enable_model_summary") is None:  # its FLOPs / size columns are 0 or "not supported"
+            kwargs["enable_model_summary"] = False         # for a frozen verifier in bf16: the summary table says more
         kwargs.update(default_root_dir=str(self.run_dir), callbacks=callbacks, logger=self._logger(cfg),
                       use_distributed_sampler=False)  # the training loader shards itself over ranks
         if not trainer_cfg.get("plugins"):  # resume memory-maps the checkpoint (a user's own plugins win)
@@ -179,8 +208,12 @@ class SpectrainCLI(LightningCLI):
             return TensorBoardLogger(save_dir=str(self.run_dir), name="logs", version="")
         from lightning.pytorch.loggers import WandbLogger
 
-        return WandbLogger(project=cfg.wandb_project, name=self.run_dir.name, save_dir=str(self.run_dir),
-                           offline=wandb_offline())
+        offline = wandb_offline()
+        print(f"W&B run {'(offline) ' if offline else ''}in {self.run_dir / 'wandb'}", flush=True)
+        logger = WandbLogger(project=cfg.wandb_project, name=self.run_dir.name, save_dir=str(self.run_dir),
+                             offline=offline)
+        logger._wandb_init.pop("anonymous", None)  # Lightning always passes it; W&B warns that it has no effect
+        return logger
 
 
 def recipe_method(model_config) -> str:
@@ -198,6 +231,7 @@ def train(default_config: str, args=None) -> Path:
     """Parse (``default_config`` under the user's ``--config`` and flags), train, export the best drafter and write
     ``summary.json``; returns its path."""
     t0 = time.time()
+    quiet_console()
     cli = SpectrainCLI(default_config, args=args)
     model, data, trainer, run_dir = cli.model, cli.datamodule, cli.trainer, cli.run_dir
     data.setup("fit")  # bad data fails here, before the run directory exists
