@@ -177,10 +177,17 @@ def check_page(path: Path) -> list[dict]:
     return rows
 
 
-def run_page(path: Path, workdir: Path, timeout: int) -> list[dict]:
-    """Run the page's commands in ``workdir`` (a fresh clone), in order, in one shell environment."""
+def run_page(path: Path, workdir: Path, timeout: int, values: dict[str, str], skip: list[str]) -> list[dict]:
+    """Run the page's commands in ``workdir`` (a fresh clone), in order, in one shell environment; ``values``
+    name the user's files for the page's placeholders; commands matching a ``skip`` pattern are reported, not run."""
     rows, env = [], dict(os.environ)
     for command in commands(path.read_text()):
+        if any(re.search(pattern, command) for pattern in skip):
+            rows.append({"page": path.name, "command": command, "ok": True, "rc": None, "seconds": 0.0,
+                         "last_line": "skipped (--skip)", "stderr_tail": ""})
+            continue
+        for placeholder, value in values.items():
+            command = command.replace(placeholder, value)
         t0 = time.time()
         script = f"{command}\nenv -0 > {workdir}/.doc_env"  # carries assignments to the next command
         proc = subprocess.run(["bash", "-c", script], cwd=workdir, env=env, capture_output=True, text=True,
@@ -202,6 +209,10 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--run", default=None, help="run this page's commands (e.g. README.md) instead of checking all")
     p.add_argument("--workdir", default=None, help="--run: the fresh clone to run them in")
     p.add_argument("--timeout", type=int, default=3600, help="--run: seconds per command")
+    p.add_argument("--set", action="append", default=[], metavar="PLACEHOLDER=VALUE",
+                   help="--run: the user's file for a placeholder of the page (e.g. PROMPTS.jsonl=mt_bench.jsonl)")
+    p.add_argument("--skip", action="append", default=[], metavar="REGEX",
+                   help="--run: leave out commands matching this (reported as skipped), e.g. ones needing the hub")
     p.add_argument("--out", default="runs/doc_commands")
     args = p.parse_args(argv)
     return run_command(measure, args)
@@ -211,9 +222,14 @@ def measure(args) -> Path:
     if args.run:
         if not args.workdir or not Path(args.workdir).is_dir():
             raise SpectrainError("--run needs --workdir, an existing directory (a fresh clone)")
-        rows = run_page(ROOT / args.run, Path(args.workdir).resolve(), args.timeout)
+        values = dict(item.split("=", 1) for item in args.set if "=" in item)
+        if len(values) != len(args.set):
+            raise SpectrainError(f"--set takes PLACEHOLDER=VALUE, got {args.set}")
+        workdir = Path(args.workdir).resolve()
+        rows = run_page(workdir / args.run, workdir, args.timeout, values, args.skip)  # the clone's own page
         table = format_table(["seconds", "rc", "command", "last stdout line"],
-                             [[r["seconds"], r["rc"], r["command"][:70], r["last_line"][-60:]] for r in rows],
+                             [[r["seconds"], "-" if r["rc"] is None else r["rc"], r["command"][:70],
+                               r["last_line"][-60:]] for r in rows],
                              title=f"{args.run}, run in {args.workdir}")
     else:
         with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):  # what the pages write lands here
