@@ -289,6 +289,13 @@ def _loss_checks(results: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Bad input: ``error: ...`` on stderr and exit code 2 (no traceback)."""
+    from spectrain.heads.errors import run_command  # here: the sides this script compares import their own
+
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/bench_memory.py",
                                 description="Peak memory and tokens/s of Medusa training on the CPU "
                                             "(chunked vs unchunked loss x per-head vs shared lm_head).")

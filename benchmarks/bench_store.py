@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from spectrain.heads.errors import run_command
 from spectrain.heads.report import finish, format_table
 
 
@@ -73,7 +74,12 @@ def bench(name: str, verifier_path: str, gguf: str | None, rows: int, steps: int
             "eagle3_train_tokens_per_second_online": online, "eagle3_train_tokens_per_second_offline": offline}
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Bad input: ``error: ...`` on stderr and exit code 2 (no traceback)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smollm2", action="store_true")
     p.add_argument("--rows", type=int, default=64)

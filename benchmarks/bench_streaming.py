@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from spectrain.heads.errors import run_command
 from spectrain.heads.report import finish, format_table
 
 WORDS = ("the king queen lord lady speak thou thee thy good night day love war peace crown sword heart fair sweet "
@@ -43,7 +44,12 @@ def write_corpus(path: Path, gigabytes: float, seed: int = 0) -> int:
     return written
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Bad input: ``error: ...`` on stderr and exit code 2 (no traceback)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--corpus_gb", type=float, default=4.0)
     p.add_argument("--cap_gb", type=float, default=1.5)

@@ -141,6 +141,17 @@ def exit_codes():
             raise SpectrainError(f"refused its arguments (exit {e.code})") from None
 
 
+@contextlib.contextmanager
+def working_dir(path: str):
+    """``contextlib.chdir`` for Python 3.10."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 def expand(command: str, env: dict[str, str]) -> tuple[list[str], str | None]:
     """``$VAR`` / ``${VAR}`` from assignments earlier on the page (unknown ones stay a placeholder), split into
     words; and the file a ``> FILE`` redirection names."""
@@ -232,7 +243,7 @@ def measure(args) -> Path:
                                r["last_line"][-60:]] for r in rows],
                              title=f"{args.run}, run in {args.workdir}")
     else:
-        with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):  # what the pages write lands here
+        with tempfile.TemporaryDirectory() as scratch, working_dir(scratch):  # what the pages write lands here
             for name in ("configs", "pretrained", "benchmarks", "docs", "runs"):  # relative paths as in a clone
                 if (ROOT / name).exists():
                     os.symlink(ROOT / name, Path(scratch) / name)

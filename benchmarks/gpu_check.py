@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from spectrain.heads.errors import run_command
 from spectrain.data.bundled import bundled_text_path, split_text, train_tokenizer
 from spectrain.data.text import tokenize_lines
 from spectrain.eval.evaluate import evaluate_drafter, load_drafter
@@ -142,7 +143,12 @@ def train_heads(verifier_dir: Path, out: Path, size: str, device, log) -> dict:
             "validation": module.last_val_metrics}
 
 
-def main(argv=None) -> Path:
+def main(argv: list[str] | None = None) -> Path:
+    """Bad input: ``error: ...`` on stderr and exit code 2 (no traceback)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny sizes, for testing the path on a CPU")

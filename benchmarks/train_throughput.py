@@ -196,7 +196,8 @@ def worker(side: str, work: Path, args) -> dict:
 
     configs = code / "configs"
     for method in METHODS:
-        recipe = yaml.safe_load((configs / f"{method}_smollm2.yaml").read_text())["model"]["init_args"]
+        model = yaml.safe_load((configs / f"{method}_smollm2.yaml").read_text())["model"]
+        recipe = dict(model.get("init_args", model))  # recipes name their class since 2026-12-01
         recipe.pop("verifier", None)
         module_class = MedusaModule if method == "medusa" else EagleModule
         for source in ("online", "store"):
@@ -279,6 +280,13 @@ def report(sides: dict, peaks: dict, args, setup: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Bad input: ``error: ...`` on stderr and exit code 2 (no traceback)."""
+    from spectrain.heads.errors import run_command  # here: the sides this script compares import their own
+
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="runs/bench/train_throughput.json")
     p.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of the 'old' side")

@@ -134,17 +134,20 @@ def learned_kind(method: str, learned) -> str:
     return "medusa" if isinstance(learned, MedusaHeads) else "eagle"
 
 
-def lookup_length(s: Settings) -> int:
-    """A hybrid's lookup branch: ``lookup``, else ``k``, else as deep as the static tree (0 for other methods)."""
+def lookup_length(s: Settings, tree: Tree | None = None) -> int:
+    """A hybrid's lookup branch (0 for other methods): ``lookup``, else ``k``, else as deep as the setting's tree
+    (``tree``, once built; before that a static tree's depth, a dynamic tree's, or for ``auto:N`` the bound N)."""
     if s.method != "hybrid":
         return 0
     if s.lookup or s.k:
         return s.lookup or s.k
-    if s.tree and not s.tree.startswith("auto:"):
+    if tree is not None:
+        return tree.max_depth
+    if s.tree and s.tree.startswith("auto:"):
+        return int(s.tree[5:]) if s.tree[5:].isdigit() else 0  # a depth bound: sizes only bucket the compile
+    if s.tree:
         return Tree.load(s.tree).max_depth
-    if s.dynamic_tree:
-        return s.dynamic_tree[0]
-    raise SpectrainError("a hybrid tree from auto:N needs k > 0 or lookup > 0 (the lookup branch's length)")
+    return s.dynamic_tree[0] if s.dynamic_tree else 0
 
 
 def verify_sizes(s: Settings) -> list[int]:
@@ -171,6 +174,8 @@ def make_trees(s: Settings, learned, calibration: dict | None) -> dict[str, Tree
     """The job's settings by name: a chain of k, a static tree, a dynamic tree (its depth sizes the metrics)."""
     kind = learned_kind(s.method, learned)
     trees = {}
+    if s.method == "none":  # AR only: the baseline every call decodes anyway
+        return trees
     if s.k > 0:
         trees[f"chain-{s.k}"] = Tree.chain(s.k)
     if s.tree:
@@ -224,7 +229,7 @@ def build_drafter(s: Settings, tree: Tree, model, learned, draft_model, max_len:
 def build_hybrid(s: Settings, tree: Tree, model, learned, name: str) -> HybridDrafter:
     """Prompt lookup + the learned drafter: a chain switches per round; a tree gains the lookup branch (a dynamic
     tree's budget keeps room for it, so the whole tree stays within the dynamic tree's budget)."""
-    k = lookup_length(s)
+    k = lookup_length(s, tree)
     options = dict(min_match=s.min_match, min_match_sampled=s.min_match_sampled)
     if name.startswith("dynamic"):
         depth, topk, budget = s.dynamic_tree
@@ -384,13 +389,14 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         tree: a static tree as JSON rank paths (inline or a file), or ``auto:N`` for the best N-node tree from
             the Medusa heads' rank accuracies measured on AR's outputs.
         dynamic_tree: ``(depth, topk, budget)`` of an EAGLE-2 dynamic tree (eagle, draft-model, truncated, hybrid).
-        lookup: a hybrid's lookup branch length (default ``k``).
+        lookup: a hybrid's lookup branch length in trees (default ``k``, else the tree's depth); chains use ``k``.
         min_match, min_match_sampled: a hybrid's lookup threshold at T = 0 and at T > 0.
         temperature, top_p, top_k: decoding (T = 0: greedy, where every output must equal AR's).
         chat_template: render turns with the tokenizer's chat template (None: when it has one).
         compile: compile one graph per verify size, warmed up before anything is timed.
         hf_generate: prompts also timed with HF ``generate()`` (0: skip).
-        costs: measure per-round verify / draft costs, the ideal speedup and the planner.
+        costs: measure per-round verify / draft costs, the ideal speedup and the planner (without them a Medusa
+            drafter is calibrated only when ``tree`` is ``auto:N``).
         reference: AR records of these prompts from an earlier call (``result.per_prompt["ar"]``): reused
             instead of decoding AR again.
         max_len: KV-cache positions (default: what the longest prompt's turns need).
@@ -405,8 +411,14 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         raise SpectrainError(f"method {method} needs a drafter")
     if method == "draft-model" and draft_model is None:
         raise SpectrainError("method draft-model needs a draft_model")
-    if not prompts or not all(prompts):
-        raise SpectrainError("no prompts to evaluate (every prompt needs at least one turn)")
+    if not prompts or not all(isinstance(p, (list, tuple)) and p and all(isinstance(t, str) for t in p)
+                              for p in prompts):
+        raise SpectrainError("prompts must be a non-empty list of prompts, each a non-empty list of user turns (str)")
+    if method in ("medusa", "eagle") and (method == "medusa") != isinstance(drafter, MedusaHeads):
+        raise SpectrainError(f"method {method} got a {type(drafter).__name__}: use method "
+                             f"{'eagle' if method == 'medusa' else 'medusa'}")
+    if reference is not None and [len(r["turns"]) for r in reference] != [len(p) for p in prompts]:
+        raise SpectrainError("reference holds AR records of other prompts (turn counts differ)")
     model, tokenizer = verifier.model, verifier.tokenizer
     param = next(model.parameters())
     device, sampling = param.device, s.sampling
@@ -455,7 +467,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         spec = build_drafter(s, shape_tree, model, drafter, draft_model, max_len, name)
         records = run_prompts(runner, spec, prompts, tokenizer, use_template, s)
         # A hybrid's lookup branch reaches its own depth whatever the learned tree's depth.
-        summary = summarize(records, max(shape_tree.max_depth, lookup_length(s)))
+        summary = summarize(records, max(shape_tree.max_depth, lookup_length(s, shape_tree)))
         same = identical_turns(ar_records, records)
         summary.update(tree_size=spec.max_nodes, tree_paths=[list(p) for p in shape_tree.paths],
                        speedup=results["ar"]["decode_ms_per_token"] / max(summary["decode_ms_per_token"], 1e-9),

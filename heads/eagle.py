@@ -50,7 +50,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
     is what EAGLE-3 captures, so for N >= 7 layers this is EAGLE-3's ``[2, N//2, N-3]``. Smaller
     verifiers get min(3, N - 1) distinct ids spread evenly over [1, N - 1] (N=6 -> [1, 3, 5], N=3 -> [1, 2]):
     ``hidden_states[N]`` is taken after the final norm, which serving engines do not capture, so an exportable
-    default never fuses it (only a 1-layer verifier, which has nothing else, gets [1]). The drafter's ``fc``
+    default never fuses it (a 1- or 2-layer verifier gets [1]: a 1-layer one has nothing else). The drafter's ``fc``
     then takes ``len(ids) * hidden`` inputs instead of 3h.
     """
     if not isinstance(num_layers, int) or num_layers < 1:

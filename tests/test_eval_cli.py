@@ -82,6 +82,13 @@ def test_the_api_takes_a_loaded_verifier_and_returns_a_result(setup):
     assert again.results["chain-3"]["tau"] == first.results["chain-3"]["tau"]
     with pytest.raises(SpectrainError, match="method medusa needs a drafter"):
         evaluate_drafter(verifier, prompts, method="medusa")
+    ar = evaluate_drafter(verifier, prompts, method="none", max_new_tokens=10, hf_generate=0, chat_template=False)
+    assert set(ar.results) == {"ar"}  # AR alone: no chain setting that decodes AR a second time
+    assert ar.per_prompt["ar"][0]["turns"][0]["tokens"] == first.per_prompt["ar"][0]["turns"][0]["tokens"]
+    with pytest.raises(SpectrainError, match="other prompts"):
+        evaluate_drafter(verifier, prompts[:1], drafter=heads, reference=first.per_prompt["ar"], hf_generate=0)
+    with pytest.raises(SpectrainError, match="list of user turns"):
+        evaluate_drafter(verifier, ["a bare string"], method="none")
 
 
 def test_the_recorded_command_is_the_one_typed(setup, capsys):
@@ -116,6 +123,10 @@ def test_hybrid_method(setup, tmp_path):
                                   ).read_text())["results"]
     assert medusa["chain-3"]["identical_to_ar"] and medusa["tree-6"]["identical_to_ar"]
     assert medusa["tree-6"]["tree_size"] == 6 + 3  # the static tree plus the lookup branch
+    no_chain = json.loads(evaluate(args_for(setup, "--method", "hybrid", "--k", "0", "--tree", "auto:6",
+                                            "--hf_generate", "0")).read_text())["results"]
+    depth = max(len(p) for p in no_chain["tree-6"]["tree_paths"])  # without --k: a lookup branch as deep as the tree
+    assert no_chain["tree-6"]["identical_to_ar"] and no_chain["tree-6"]["tree_size"] == 6 + depth
     EagleDrafter.for_verifier(load_verifier(str(verifier_dir)).model, "eagle3", draft_vocab_size=100,
                               verifier_name=str(verifier_dir)).save_pretrained(tmp_path / "e3")
     eagle = json.loads(evaluate(args_for(setup, "--method", "hybrid", "--drafter", str(tmp_path / "e3"),

@@ -77,8 +77,19 @@ def unmarked_spawning_tests(source: str) -> list[str]:
         new = {name for name, text in code.items() if name not in spawning and any(f"{s}(" in text for s in spawning)}
         spawning |= new
         grew = bool(new)
-    return sorted(name for name in spawning if name.startswith("test_") and not any(
-        "integration" in ast.get_source_segment(source, d) for d in funcs[name].decorator_list))
+    unmarked = [name for name in spawning if name.startswith("test_") and not any(
+        "integration" in ast.get_source_segment(source, d) for d in funcs[name].decorator_list)]
+    # Cases in module-level tables (dicts of lambdas) that call a spawning helper: their parametrization must
+    # mark them (pytest.param(..., marks=pytest.mark.integration)), which the test's decorator then mentions.
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and not isinstance(node.value, ast.Constant):
+            text = ast.get_source_segment(source, node)
+            if any(f"{name}(" in text for name in spawning):
+                table = node.targets[0].id if isinstance(node, ast.Assign) else node.target.id
+                unmarked += [name for name, f in funcs.items() if name.startswith("test_") and f"{table}[" in
+                             ast.get_source_segment(source, f) and not any(
+                                 "integration" in ast.get_source_segment(source, d) for d in f.decorator_list)]
+    return sorted(set(unmarked))
 
 
 def test_every_test_that_starts_processes_is_marked_integration():
@@ -89,3 +100,6 @@ def test_every_test_that_starts_processes_is_marked_integration():
     sample = "import subprocess\ndef run():\n    subprocess.run(['x'])\ndef test_a():\n    run()\n"
     assert unmarked_spawning_tests(sample) == ["test_a"]  # the check can fail
     assert unmarked_spawning_tests(sample.replace("def test_a", "@pytest.mark.integration\ndef test_a")) == []
+    table = ("import subprocess\ndef run():\n    subprocess.run(['x'])\nCASES = {'a': lambda: run()}\n"
+             "@pytest.mark.parametrize('c', sorted(CASES))\ndef test_b(c):\n    CASES[c]()\n")
+    assert unmarked_spawning_tests(table) == ["test_b"]  # a spawning case in a table is seen too

@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from spectrain.heads.errors import SpectrainError
+
 # Runs train_eagle (EAGLE-1: its feature noise exercises the saved RNG state) in a fresh interpreter; with
 # CRASH_AT set, the process SIGKILLs itself right after that optimizer step (after the step's checkpoint, if
 # any, was written) — no cleanup, no atexit, exactly like `kill -9`.
@@ -122,3 +124,23 @@ def test_extend_a_finished_run(tmp_path, args_for):
     assert s2["trained_tokens"] > s1["trained_tokens"] and s2["curve"][0] == s1["curve"][0]
     assert s2["curve"][1]["train_seconds"] > s2["curve"][0]["train_seconds"] == s1["curve"][0]["train_seconds"]
     assert json.loads((tmp_path / "r" / "summary.before-extend.json").read_text())["steps"] == 7
+
+
+def test_resuming_with_other_fused_layers_is_refused(verifier_factory):
+    """A checkpoint records the layers its EAGLE-3 drafter fuses; a run that would fuse others (say, after the
+    small-verifier default changed) refuses it instead of training on other layers with the same fc shape —
+    and a checkpoint saved before the record existed is read with the old default."""
+    from spectrain.train.eagle import EagleModule
+
+    verifier = str(verifier_factory("llama", False, layers=6))
+    module = EagleModule(variant="eagle3", verifier=verifier, verifier_dtype="float32", draft_vocab_size=100)
+    assert module.fused_layers() == [1, 3, 5]
+    weights = {f"drafter.{k}": v for k, v in module.drafter.state_dict().items()}
+    module.on_load_checkpoint({"state_dict": weights, "spectrain": {"method": "eagle3", "aux_layer_ids": [1, 3, 5]}})
+    for saved in ({"aux_layer_ids": [1, 3, 6]}, {}):  # {}: saved when the 6-layer default was [1, 3, 6]
+        with pytest.raises(SpectrainError, match=r"fuses verifier layers \[1, 3, 6\].*--model.aux_layer_ids"):
+            module.on_load_checkpoint({"state_dict": weights, "spectrain": {"method": "eagle3", **saved}})
+    other = EagleModule(variant="eagle3", verifier=verifier, verifier_dtype="float32", draft_vocab_size=100,
+                        aux_layer_ids=[1, 3])
+    with pytest.raises(SpectrainError, match="other shapes"):
+        other.on_load_checkpoint({"state_dict": weights, "spectrain": {"method": "eagle3", "aux_layer_ids": [1, 3]}})

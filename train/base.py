@@ -573,7 +573,7 @@ class DrafterModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(VERIFIER_PREFIX)}
         checkpoint["spectrain"] = {"verifier": self.verifier_name, "method": self.method_name,
                                    "trained_tokens": self.trained_tokens, "train_seconds": self.train_seconds,
-                                   "curve": self.curve}
+                                   "curve": self.curve, "aux_layer_ids": self.fused_layers()}
         # The RNG streams the loss draws from (EAGLE-1's feature noise), so a resumed run draws the same numbers:
         # every rank's own (CPU, and its own device's on CUDA), gathered into rank 0's checkpoint.
         device = self.rng_device()
@@ -585,6 +585,10 @@ class DrafterModule(L.LightningModule):
             torch.distributed.all_gather_object(ranks, mine)
         checkpoint["rng"] = {"ranks": ranks}
 
+    def fused_layers(self) -> list[int]:
+        """The verifier layers an EAGLE-3 drafter fuses ([] for the others): resuming with others is refused."""
+        return list(getattr(getattr(self.drafter, "config", None), "aux_layer_ids", None) or [])
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("spectrain", {})
         if saved.get("method", self.method_name) != self.method_name:
@@ -592,6 +596,19 @@ class DrafterModule(L.LightningModule):
         missing = [k for k in self.drafter.state_dict() if f"drafter.{k}" not in checkpoint["state_dict"]]
         if missing:
             raise SpectrainError(f"checkpoint lacks drafter weights {missing[:4]}: it is not a {self.method_name} checkpoint")
+        ids, saved_ids = self.fused_layers(), saved.get("aux_layer_ids")
+        layers = self.verifier.config.num_hidden_layers
+        if ids and saved_ids is None and layers < 7:  # saved before the default fused only pre-norm layers
+            count = min(3, layers)
+            saved_ids = [1] if count == 1 else sorted({1 + (k * (layers - 1)) // (count - 1) for k in range(count)})
+        if ids and saved_ids is not None and list(saved_ids) != ids:
+            raise SpectrainError(f"the checkpoint's drafter fuses verifier layers {list(saved_ids)}, this run's "
+                                 f"{ids}: pass --model.aux_layer_ids '{list(saved_ids)}' to resume it")
+        shapes = {k: tuple(v.shape) for k, v in self.drafter.state_dict().items()}
+        wrong = [k for k, shape in shapes.items() if tuple(checkpoint["state_dict"][f"drafter.{k}"].shape) != shape]
+        if wrong:
+            raise SpectrainError(f"the checkpoint's drafter has other shapes ({wrong[:3]}): it was trained with "
+                                 "another config")
         self.trained_tokens = int(saved.get("trained_tokens", 0))
         self.train_seconds = float(saved.get("train_seconds", 0.0))
         self.curve = list(saved.get("curve", []))
