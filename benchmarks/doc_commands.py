@@ -200,9 +200,17 @@ def run_page(path: Path, workdir: Path, timeout: int, values: dict[str, str], sk
         for placeholder, value in values.items():
             command = command.replace(placeholder, value)
         t0 = time.time()
-        script = f"{command}\nenv -0 > {workdir}/.doc_env"  # carries assignments to the next command
-        proc = subprocess.run(["bash", "-c", script], cwd=workdir, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        # set -a: assignments are exported, so env -0 carries them to the next command; the command's status is
+        # the script's.
+        script = f"set -a\n{command}\n__rc=$?\nenv -0 > {shlex.quote(str(workdir))}/.doc_env\nexit $__rc"
+        try:
+            proc = subprocess.run(["bash", "-c", script], cwd=workdir, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rows.append({"page": path.name, "command": command, "ok": False, "rc": "timeout",
+                         "seconds": round(time.time() - t0, 1), "last_line": f"killed after {timeout} s",
+                         "stderr_tail": ""})
+            break
         env_file = workdir / ".doc_env"
         if env_file.is_file():
             env = dict(item.split("=", 1) for item in env_file.read_text().split("\0") if "=" in item)

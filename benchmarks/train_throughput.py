@@ -314,7 +314,7 @@ def _main(argv: list[str] | None = None) -> None:
             env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                        PYTHONPATH=os.pathsep.join(filter(None, [str(old_root) if side == "old" else "",
                                                                 os.environ.get("PYTHONPATH", "")])))
-            cmd = [sys.executable, __file__, "--worker", side, "--work", str(work), *sys.argv[1:]]
+            cmd = [sys.executable, __file__, "--worker", side, "--work", str(work), *(sys.argv[1:] if argv is None else argv)]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(work))
             if proc.returncode != 0:
                 sys.exit(f"{side} side failed:\n{proc.stderr[-4000:]}")

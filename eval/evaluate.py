@@ -402,6 +402,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         max_len: KV-cache positions (default: what the longest prompt's turns need).
         seed: the sampling generator's seed, the same for every setting.
     """
+    if method == "none":  # AR only: no chain, no costs to probe, nothing to plan
+        k, costs = 0, False
     s = Settings(method=method, k=k, tree=tree, dynamic_tree=tuple(dynamic_tree) if dynamic_tree else None,
                  lookup=lookup, draft_layers=draft_layers, min_match=min_match, min_match_sampled=min_match_sampled,
                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, compile=compile,

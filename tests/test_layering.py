@@ -79,16 +79,25 @@ def unmarked_spawning_tests(source: str) -> list[str]:
         grew = bool(new)
     unmarked = [name for name in spawning if name.startswith("test_") and not any(
         "integration" in ast.get_source_segment(source, d) for d in funcs[name].decorator_list)]
-    # Cases in module-level tables (dicts of lambdas) that call a spawning helper: their parametrization must
-    # mark them (pytest.param(..., marks=pytest.mark.integration)), which the test's decorator then mentions.
-    for node in tree.body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and not isinstance(node.value, ast.Constant):
-            text = ast.get_source_segment(source, node)
-            if any(f"{name}(" in text for name in spawning):
-                table = node.targets[0].id if isinstance(node, ast.Assign) else node.target.id
-                unmarked += [name for name, f in funcs.items() if name.startswith("test_") and f"{table}[" in
-                             ast.get_source_segment(source, f) and not any(
-                                 "integration" in ast.get_source_segment(source, d) for d in f.decorator_list)]
+    # Cases in module-level tables (dicts of lambdas) that call a spawning helper: the test that runs the table
+    # must mark each such case (pytest.param(..., marks=pytest.mark.integration)); the case's key has to appear in
+    # its integration-marking decorator or in a module-level collection that decorator names.
+    assigned = {t.id: n for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    for table, node in assigned.items():
+        if not isinstance(node.value, ast.Dict):
+            continue
+        keys = {k.value for k, v in zip(node.value.keys, node.value.values) if isinstance(k, ast.Constant)
+                and any(f"{name}(" in ast.get_source_segment(source, v) for name in spawning)}
+        for name, f in funcs.items():
+            if not keys or not name.startswith("test_") or f"{table}[" not in ast.get_source_segment(source, f):
+                continue
+            marking = [d for d in f.decorator_list if "integration" in ast.get_source_segment(source, d)]
+            named = {n.id for d in marking for n in ast.walk(d) if isinstance(n, ast.Name)}
+            marked = {c.value for d in marking for c in ast.walk(d) if isinstance(c, ast.Constant)}
+            marked |= {c.value for n in named - {table} if n in assigned for c in ast.walk(assigned[n].value)
+                       if isinstance(c, ast.Constant)}
+            if keys - marked:
+                unmarked.append(name)
     return sorted(set(unmarked))
 
 
@@ -103,3 +112,7 @@ def test_every_test_that_starts_processes_is_marked_integration():
     table = ("import subprocess\ndef run():\n    subprocess.run(['x'])\nCASES = {'a': lambda: run()}\n"
              "@pytest.mark.parametrize('c', sorted(CASES))\ndef test_b(c):\n    CASES[c]()\n")
     assert unmarked_spawning_tests(table) == ["test_b"]  # a spawning case in a table is seen too
+    marked = table.replace("sorted(CASES)", "[pytest.param(c, marks=pytest.mark.integration) if c in {'a'} else c "
+                                            "for c in sorted(CASES)]")
+    assert unmarked_spawning_tests(marked) == []
+    assert unmarked_spawning_tests(marked.replace("{'a'}", "{'b'}")) == ["test_b"]  # the spawning case unmarked

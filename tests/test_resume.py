@@ -144,3 +144,32 @@ def test_resuming_with_other_fused_layers_is_refused(verifier_factory):
                         aux_layer_ids=[1, 3])
     with pytest.raises(SpectrainError, match="other shapes"):
         other.on_load_checkpoint({"state_dict": weights, "spectrain": {"method": "eagle3", "aux_layer_ids": [1, 3]}})
+
+
+def test_a_run_saved_under_the_old_small_verifier_default_resumes_with_its_layers_named(tmp_path, verifier_factory,
+                                                                                         text_file):
+    """An unfinished EAGLE-3 run saved before checkpoints recorded their fused layers (config: aux_layer_ids null,
+    then [1, 3, 6] on a 6-layer verifier): resuming with today's default is refused with the flag to pass, and
+    passing it resumes the run (the config check lets the named layers stand for the saved null)."""
+    from spectrain.train.cli import train
+
+    verifier = str(verifier_factory("llama", False, layers=6))
+    base = ["--model.verifier", verifier, "--data.path", str(text_file), "--data.block_size", "64",
+            "--data.batch_size", "4", "--model.draft_vocab_size", "null", "--logger", "none",
+            "--run_dir", str(tmp_path / "run"), "--trainer.val_check_interval", "2", "--model.ttt_steps", "2"]
+    train("eagle3_tinyshakespeare.yaml", args=base + ["--trainer.max_steps", "4", "--model.aux_layer_ids", "[1, 3, 6]"])
+    run = tmp_path / "run"
+    (run / "summary.json").unlink()  # unfinished, as a crash after the last checkpoint would leave it
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):  # as saved before the record existed
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        state["spectrain"].pop("aux_layer_ids")
+        torch.save(state, ckpt)
+    config = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(config.replace("aux_layer_ids:\n", "aux_layer_ids: null\n", 1).replace(
+        "    - 1\n    - 3\n    - 6\n", "", 1) if "aux_layer_ids: null" not in config else config)
+    assert "aux_layer_ids: null" in (run / "config.yaml").read_text()
+    with pytest.raises(SpectrainError, match=r"fuses verifier layers \[1, 3, 6\].*--model.aux_layer_ids"):
+        train("eagle3_tinyshakespeare.yaml", args=base + ["--trainer.max_steps", "4"])
+    path = train("eagle3_tinyshakespeare.yaml", args=base + ["--trainer.max_steps", "4", "--model.aux_layer_ids",
+                                                             "[1, 3, 6]"])
+    assert json.loads(path.read_text())["steps"] == 4

@@ -194,6 +194,10 @@ class DrafterModule(L.LightningModule):
         wrong = [k for k in ours if ours[k].shape != theirs[k].shape]
         if wrong:
             raise SpectrainError(f"model.init_from {path}: tensor shapes differ from this run's drafter: {wrong[:4]}")
+        fused = list(getattr(source.config, "aux_layer_ids", None) or [])
+        if fused != self.fused_layers():  # same fc shape, other layers: the weights would mean something else
+            raise SpectrainError(f"model.init_from {path} fuses verifier layers {fused}, this run's "
+                                 f"{self.fused_layers()}: pass --model.aux_layer_ids '{fused}'")
         self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
 
     # -- subclass interface ---------------------------------------------------------------------------------
@@ -593,19 +597,21 @@ class DrafterModule(L.LightningModule):
         saved = checkpoint.get("spectrain", {})
         if saved.get("method", self.method_name) != self.method_name:
             raise SpectrainError(f"checkpoint is for {saved.get('method')!r}, not {self.method_name!r}")
-        missing = [k for k in self.drafter.state_dict() if f"drafter.{k}" not in checkpoint["state_dict"]]
+        weights = checkpoint.get("state_dict")  # absent under FSDP: its strategy has loaded them already
+        own = self.drafter.state_dict() if weights is not None else {}
+        missing = [k for k in own if f"drafter.{k}" not in weights]
         if missing:
             raise SpectrainError(f"checkpoint lacks drafter weights {missing[:4]}: it is not a {self.method_name} checkpoint")
         ids, saved_ids = self.fused_layers(), saved.get("aux_layer_ids")
         layers = self.verifier.config.num_hidden_layers
-        if ids and saved_ids is None and layers < 7:  # saved before the default fused only pre-norm layers
+        if ids and saved_ids is None and layers < 7 and getattr(self, "aux_layer_ids", None) is None:
+            # saved before checkpoints recorded it, by a run on the old small-verifier default (all of [1, N])
             count = min(3, layers)
             saved_ids = [1] if count == 1 else sorted({1 + (k * (layers - 1)) // (count - 1) for k in range(count)})
         if ids and saved_ids is not None and list(saved_ids) != ids:
             raise SpectrainError(f"the checkpoint's drafter fuses verifier layers {list(saved_ids)}, this run's "
                                  f"{ids}: pass --model.aux_layer_ids '{list(saved_ids)}' to resume it")
-        shapes = {k: tuple(v.shape) for k, v in self.drafter.state_dict().items()}
-        wrong = [k for k, shape in shapes.items() if tuple(checkpoint["state_dict"][f"drafter.{k}"].shape) != shape]
+        wrong = [k for k, v in own.items() if tuple(weights[f"drafter.{k}"].shape) != tuple(v.shape)]
         if wrong:
             raise SpectrainError(f"the checkpoint's drafter has other shapes ({wrong[:3]}): it was trained with "
                                  "another config")

@@ -79,17 +79,20 @@ class StepProgressBar(RichProgressBar):
         return super()._get_train_description(current_epoch)
 
 
+def _no_litlogger_tip(record: logging.LogRecord) -> bool:
+    return "litlogger" not in record.getMessage()  # one function: added once however often train() runs
+
+
 def quiet_console() -> None:
     """The console shows the run's result, not third-party chatter: no W&B banner or run-history dump (the run
     directory holds the W&B files; ``WANDB_SILENT=false`` brings them back), no Lightning tip to install another
     logger, no weight-loading bars, no deprecation warning from Lightning's own internals."""
     os.environ.setdefault("WANDB_SILENT", "true")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_litlogger_tip)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars for the verifier
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: "litlogger" not in record.getMessage())
 
 
 class SpectrainCLI(LightningCLI):
@@ -265,7 +268,8 @@ ADDED_MODEL_KEYS = {"layer_init": "random", "norm_init": "default", "drop_outsid
                     "verifier_device": "auto"}
 
 
-def _comparable(config_text: str, unresolved_precision: bool = False, extend: bool = False) -> str:
+def _comparable(config_text: str, unresolved_precision: bool = False, extend: bool = False,
+                ignore_model: tuple[str, ...] = ()) -> str:
     """A resolved config minus the keys that may differ between a run and its resumption (and, with ``extend``,
     the training budget).
 
@@ -280,7 +284,7 @@ def _comparable(config_text: str, unresolved_precision: bool = False, extend: bo
     model = config.get("model") or {}
     if "init_args" in model:  # compared by init args (runs saved before recipes named their class had no class_path)
         model = config["model"] = dict(model["init_args"] or {})
-    for key in MEASURE_KEYS:
+    for key in MEASURE_KEYS + tuple(ignore_model):
         model.pop(key, None)
     if model.get("variant") == "eagle1":
         model.pop("drop_outside_vocab", None)  # an EAGLE-3 option: EAGLE-1 ignores it
@@ -317,7 +321,11 @@ def prepare_run_dir(cli: SpectrainCLI) -> str | None:
             saved = run_dir / "config.yaml"
             old = saved.read_text() if saved.is_file() else None
             unresolved = old is not None and "precision: null" in old  # saved before precisions were resolved
-            if old is not None and _comparable(old, unresolved, extend) != _comparable(config_text, unresolved, extend):
+            # A run saved with the default fused layers (null) may be resumed with them named explicitly (the
+            # default changed for small verifiers); the checkpoint's record of its layers is checked on load.
+            ignore = ("aux_layer_ids",) if old is not None and re.search(r"\baux_layer_ids: null", old) else ()
+            if old is not None and _comparable(old, unresolved, extend, ignore) != \
+                    _comparable(config_text, unresolved, extend, ignore):
                 what = "a run" if extend else "an unfinished run"
                 raise SpectrainError(f"{run_dir} holds {what} with another config ({saved}); re-run the same command "
                                      "(--extend may change only trainer.max_steps / max_time), or pass --force to "
