@@ -61,6 +61,11 @@ class Settings:
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k)
 
+    @property
+    def auto_nodes(self) -> int | None:
+        """N of ``tree="auto:N"`` (the best N-node tree from measured rank accuracies); None for other trees."""
+        return int(self.tree[5:]) if self.tree and self.tree.startswith("auto:") else None
+
     def check(self) -> None:
         if self.method not in METHODS:
             raise SpectrainError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
@@ -70,6 +75,8 @@ class Settings:
             raise SpectrainError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.method == "hybrid":
             check_min_match(self.min_match, self.min_match_sampled)
+        if self.tree and self.tree.startswith("auto:") and not (self.tree[5:].isdigit() and int(self.tree[5:]) > 0):
+            raise SpectrainError(f"--tree auto:N takes a node count N >= 1, got {self.tree!r}")
 
 
 @dataclass
@@ -143,8 +150,8 @@ def lookup_length(s: Settings, tree: Tree | None = None) -> int:
         return s.lookup or s.k
     if tree is not None:
         return tree.max_depth
-    if s.tree and s.tree.startswith("auto:"):
-        return int(s.tree[5:]) if s.tree[5:].isdigit() else 0  # a depth bound: sizes only bucket the compile
+    if s.auto_nodes:
+        return s.auto_nodes  # a depth bound: sizes only bucket the compile
     if s.tree:
         return Tree.load(s.tree).max_depth
     return s.dynamic_tree[0] if s.dynamic_tree else 0
@@ -156,8 +163,8 @@ def verify_sizes(s: Settings) -> list[int]:
     if s.method == "none":
         return [1]
     sizes, lookup = [s.k], lookup_length(s)
-    if s.tree and s.tree.startswith("auto:") and s.tree[5:].isdigit():
-        sizes.append(int(s.tree[5:]) + lookup)
+    if s.auto_nodes:
+        sizes.append(s.auto_nodes + lookup)
     elif s.tree:
         sizes.append(Tree.load(s.tree).size + lookup)
     if s.dynamic_tree:
@@ -174,16 +181,13 @@ def make_trees(s: Settings, learned, calibration: dict | None) -> dict[str, Tree
     """The job's settings by name: a chain of k, a static tree, a dynamic tree (its depth sizes the metrics)."""
     kind = learned_kind(s.method, learned)
     trees = {}
-    if s.method == "none":  # AR only: the baseline every call decodes anyway
-        return trees
     if s.k > 0:
         trees[f"chain-{s.k}"] = Tree.chain(s.k)
     if s.tree:
-        if s.tree.startswith("auto:"):
+        if s.auto_nodes:
             if calibration is None:
                 raise SpectrainError("--tree auto:N needs measured rank accuracies (Medusa drafters)")
-            size = int(s.tree.split(":", 1)[1])
-            trees[f"tree-{size}"] = build_tree(calibration["rank_accuracy"], size)
+            trees[f"tree-{s.auto_nodes}"] = build_tree(calibration["rank_accuracy"], s.auto_nodes)
         else:
             tree = Tree.load(s.tree)
             trees[f"tree-{tree.size}"] = tree
@@ -451,7 +455,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
     results = {"ar": summarize(ar_records, 0)}
     per_prompt = {"ar": ar_records}
     calibration = None
-    if kind == "medusa" and (costs or (tree or "").startswith("auto:")):
+    if kind == "medusa" and (costs or s.auto_nodes):
         probe = MedusaDrafter(drafter, model.get_output_embeddings(), Tree.chain(drafter.config.num_heads))
         seqs = [t["sequence"] for r in ar_records for t in r["turns"]]
         starts = [t["prompt_tokens"] for r in ar_records for t in r["turns"]]

@@ -399,7 +399,7 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
             ref = cached(path, "greedy")
             if ref is None:
                 start = time.time()
-                records = ctx.evaluate(name, method="none", k=0).per_prompt["ar"]
+                records = ctx.evaluate(name, method="none").per_prompt["ar"]
                 s = summarize(records, 0)
                 ref = {"fingerprint": "greedy", "set": name, "tokens_per_second": s["tokens_per_second"],
                        "new_tokens": s["new_tokens"], "seconds": round(time.time() - start, 1), "records": records,
