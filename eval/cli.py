@@ -19,7 +19,7 @@ from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, resolve_dtype
 
 from .decode_dtype import decode_dtype
-from .evaluate import METHODS, Settings, evaluate_drafter, load_drafter, verify_sizes
+from .evaluate import METHODS, Settings, evaluate_drafter, load_drafter
 from .plots import write_plots
 from .prompts import BUNDLED, load_prompts
 
@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="static tree: JSON list of rank paths (inline or file), or auto:N for the best N-node tree "
                         "from measured per-head rank accuracies (Medusa)")
     p.add_argument("--dynamic_tree", default=None, metavar="DEPTH,TOPK,BUDGET",
-                   help="also evaluate an EAGLE-2-style dynamic tree (draft-model / truncated methods)")
+                   help="also evaluate an EAGLE-2-style dynamic tree: the drafter's own top-k expansion "
+                        "(eagle, hybrid, draft-model, truncated)")
     p.add_argument("--prompts", default=BUNDLED, help="MT-bench/Alpaca turns jsonl, json, text file, or bundled")
     p.add_argument("--num_prompts", type=int, default=20)
     p.add_argument("--first_turns", action="store_true", help="ask each prompt's first turn only")
@@ -66,9 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bundled text)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto",
-                   help="auto: bf16 on CUDA; on CPUs with native bf16 (AMX / AVX512-BF16) whichever of fp32 / bf16 "
-                        "measures faster for this job's verify width (1 without drafts); fp32 elsewhere. Or float32, "
-                        "bfloat16")
+                   help="auto: bf16 where bf16 matrix multiplies are native (CUDA, CPUs with AMX / AVX512-BF16), "
+                        "fp32 elsewhere (a rule: the same on every run). Or float32, bfloat16")
+    p.add_argument("--batch_invariant", default="auto", choices=["auto", "on", "off"],
+                   help="decode so that a token's numbers do not depend on how many tokens a forward runs beside it "
+                        "(static attention span, fixed-size attention calls, no 1-row matmuls): bf16 chains then "
+                        "equal bf16 AR token for token. auto: on in bf16/fp16 on a CPU, off on CUDA and in fp32")
     p.add_argument("--hf_generate", type=int, default=3, help="prompts timed with HF generate() (0: skip)")
     p.add_argument("--compile", action="store_true",
                    help="compile the verifier's forwards for every verify size this job uses (bucketed; CUDA graphs "
@@ -106,15 +110,12 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     options = draft_options(args)
     settings = Settings(**options)
     settings.check()  # before anything is loaded
-    dtype = resolve_dtype(args.dtype, args.device)
+    if args.dtype == "auto":
+        dtype, dtype_choice = decode_dtype(args.device)
+    else:
+        dtype, dtype_choice = resolve_dtype(args.dtype, args.device), {"rule": "set by --dtype"}
     load = dict(gguf_file=args.gguf_file, device=args.device, trust_remote_code=args.trust_remote_code)
     verifier = load_verifier(args.verifier, dtype=dtype, **load)
-    dtype_choice = {"reason": "set by --dtype"}
-    if args.dtype == "auto":
-        dtype, dtype_choice = decode_dtype(verifier.model, args.device, max(verify_sizes(settings)))
-        if dtype != next(verifier.model.parameters()).dtype:  # reload natively rather than cast what was loaded
-            del verifier
-            verifier = load_verifier(args.verifier, dtype=dtype, **load)
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, args.prompt_tokens,
                            first_turns=args.first_turns, spread=args.spread)
     has_template = bool(getattr(verifier.tokenizer, "chat_template", None))
@@ -126,7 +127,8 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     if args.method == "draft-model":
         draft_model = load_draft_model(args.draft_model, verifier, args.device)
     result = evaluate_drafter(verifier, prompts, drafter=drafter, draft_model=draft_model, chat_template=chat_template,
-                              hf_generate=args.hf_generate, **options)
+                              hf_generate=args.hf_generate,
+                              batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant], **options)
     out_dir = Path(args.out or f"runs/eval/{args.method}-{Path(args.verifier.replace(':', '-')).name}")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"command": command or "spectrain-eval", "verifier": args.verifier, "drafter": args.drafter,
@@ -145,15 +147,34 @@ def load_draft_model(path: str | None, verifier, device: str) -> torch.nn.Module
     return model
 
 
+def identity(r: dict, temperature: float) -> str:
+    """The table's lossless column: "yes", "n/a" at T > 0, else identical turns out of all."""
+    if temperature:
+        return "n/a"
+    return "yes" if r.get("identical_to_ar") else f"{r['identical_turns']}/{r['divergences']['turns']}"
+
+
+def divergence_line(d: dict) -> str:
+    """Where T = 0 outputs part from AR, in a line: near-ties or not, with both paths' own margins."""
+    spread = d["spread"]
+    verdict = ("all near-ties" if d["near_ties"] == d["diverged"] else
+               f"{d['diverged'] - d['near_ties']} beyond rounding (the spread and 2 ulp): a decoding bug?")
+    return (f"{d['diverged']} of {d['turns']} turns part from AR ({d['inherited']} more only after an earlier turn "
+            f"parted): {verdict} — largest own top-2 margin {d['max_margin']:.3f}, largest flip {d['max_flip']:.3f} "
+            f"vs the paths' margin spread before parting {spread['max']:.3f} (p99 {spread['p99']:.3f}, "
+            f"{spread['positions']} positions)")
+
+
 def tables(summary: dict) -> list[str]:
     rows = []
     for name, r in summary["results"].items():
         rows.append([name, r.get("tree_size", 0), r["tau"], r["tokens_per_second"], r["decode_ms_per_token"],
                      r.get("speedup", 1.0), r.get("ideal_speedup", 1.0), r["distinct_4gram"],
-                     "-" if name == "ar" else ("yes" if r.get("identical_to_ar") else "n/a" if summary["sampling"]["temperature"] else "NO")])
+                     "-" if name == "ar" else identity(r, summary["sampling"]["temperature"])])
     hf = summary["hf_generate"]
     title = (f"{summary['method']} on {summary['verifier']} — {summary['num_prompts']} prompts, "
              f"T={summary['sampling']['temperature']}, {summary['max_new_tokens']} new tokens, {summary['device']} {summary['dtype']}"
+             + (" batch-invariant" if summary.get("batch_invariant") else "")
              + (f"; HF generate(): {hf['tokens_per_second']:.1f} tok/s" if hf else ""))
     out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup", "ideal", "distinct-4",
                          "same as AR"], rows, title=title)]
@@ -162,6 +183,8 @@ def tables(summary: dict) -> list[str]:
             continue
         alpha = " ".join("-" if a is None else f"{a:.2f}" for a in r["alpha"])
         out.append(f"{name}: alpha by depth [{alpha}]  accept-length histogram {r['accept_histogram']}")
+        if r.get("divergences", {}).get("diverged") or r.get("divergences", {}).get("inherited"):
+            out.append(f"{name}: {divergence_line(r['divergences'])}")
     cal = summary["calibration"]
     if cal:
         out.append(format_table(["head", "top-1 vs verifier", "top-5", "KL(q||p)", "TV"],

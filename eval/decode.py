@@ -31,9 +31,40 @@ class Generation:
     decode_seconds: float = 0.0
     stop: str = "length"
 
+    trace: "Trace | None" = None
+
     @property
     def verifier_forwards(self) -> int:
         return len(self.accept_lengths)
+
+
+@dataclass
+class Trace:
+    """What the loop's own verifier passes decided each emitted token with (diagnostics, never in a timed run).
+
+    ``top_values`` / ``top_ids``: (tokens, 2) fp32 logits and ids of the top 2 of the logits row that chose each
+    emitted token (the prefill's row for token 0, then each round's root and accepted-path rows); ``row``: the
+    whole (V,) fp32 row that chose token ``keep`` (None when ``keep`` is not reached).
+    """
+
+    keep: int | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    row: torch.Tensor | None = None
+    _rounds: list = field(default_factory=list)
+
+    def record(self, rows: torch.Tensor, first: int) -> None:
+        """``rows`` (m, V): the logits rows of emitted tokens ``first .. first + m - 1`` (kept on the device)."""
+        self._rounds.append(rows.topk(2, dim=-1))
+        if self.keep is not None and first <= self.keep < first + rows.shape[0]:
+            self.row = rows[self.keep - first].clone()
+
+    def close(self, tokens: int) -> None:
+        if self._rounds:
+            self.top_values = torch.cat([r.values for r in self._rounds])[:tokens].cpu()
+            self.top_ids = torch.cat([r.indices for r in self._rounds])[:tokens].cpu()
+        self.row = None if self.row is None else self.row.cpu()
+        self._rounds = []
 
 
 def _sync(device: torch.device) -> None:
@@ -53,8 +84,11 @@ def verify_mask_rows(tree) -> torch.Tensor:
 @torch.no_grad()
 def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_new_tokens: int,
              sampling: Sampling = Sampling(), eos_ids: set[int] | frozenset = frozenset(),
-             generator: torch.Generator | None = None) -> Generation:
-    """Decode up to ``max_new_tokens`` after ``prompt`` (stopping at an EOS id, which is kept)."""
+             generator: torch.Generator | None = None, trace: Trace | None = None) -> Generation:
+    """Decode up to ``max_new_tokens`` after ``prompt`` (stopping at an EOS id, which is kept).
+
+    ``trace``: also keep, for every emitted token, the top 2 of the verifier logits row that chose it (and one
+    whole row), in ``Generation.trace`` — what the lossless check reads at a divergence."""
     device = verifier.device
     tree = drafter.tree.to(device)
     n = tree.size
@@ -80,7 +114,10 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         verifier.capture = drafter.capture_layers
     hidden = verifier.forward(tokens[:len(prompt)])
     verifier.commit(len(prompt))
-    root = sample(target_probs(verifier.logits(hidden[-1:]), sampling), generator)
+    first_logits = verifier.logits(hidden[-1:])
+    root = sample(target_probs(first_logits, sampling), generator)
+    if trace is not None:
+        trace.record(first_logits, 0)
     tokens[len(prompt)] = root[0]
     out = Generation(tokens=[int(root)])  # host sync: the prefill's token
     state = DraftState(tokens=tokens, length=len(prompt) + 1, hidden=hidden[-1], sampling=sampling, generator=generator,
@@ -93,6 +130,9 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
     out.prefill_seconds = time.perf_counter() - t0
     if out.tokens[0] in eos_ids:
         out.stop = "eos"
+        if trace is not None:
+            trace.close(1)
+            out.trace = trace
         return out
 
     t1 = time.perf_counter()
@@ -122,6 +162,8 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         last_slot = 1 + rest[a - 1] if a else 0
         kept_slots = torch.cat([verdict.path.new_zeros(1), verdict.path[0, :a] + 1])  # root + path, on device
         verifier.commit(1 + a, None if tree.is_chain else kept_slots + base)  # a chain's path is already in place
+        if trace is not None:  # rows of root + path chose path[0..a-1] + bonus
+            trace.record(logits[kept_slots], len(out.tokens))
         room = max_new_tokens - len(out.tokens)
         kept = new[:room]
         for i, t in enumerate(kept):
@@ -144,4 +186,7 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
             break
     _sync(device)
     out.decode_seconds = time.perf_counter() - t1
+    if trace is not None:
+        trace.close(len(out.tokens))
+        out.trace = trace
     return out

@@ -253,7 +253,8 @@ class ModelDrafter(Drafter):
     def __init__(self, model, k: int, max_len: int):
         super().__init__(Tree.chain(k))
         self.k = k
-        self.runner = StaticCausalLM(model, max_len=max_len + k + 1)
+        # The draft model's numbers never reach the output (the verifier checks them): no invariance to pay for.
+        self.runner = StaticCausalLM(model, max_len=max_len + k + 1, batch_invariant=False)
         self.pending: torch.Tensor | None = None  # context tokens not yet in the draft cache
 
     def start(self, state: DraftState, verifier) -> None:
@@ -420,9 +421,9 @@ class EagleChainDrafter(Drafter):
         self.drafter, self.k = drafter, k
         self.embed = verifier_model.get_input_embeddings()
         self.lm_head = verifier_model.get_output_embeddings()
-        aux = tuple(drafter.config.aux_layer_ids or ())
-        if list(aux) != sorted(aux):
-            raise SpectrainError(f"EAGLE-3 aux layers must be ascending, got {list(aux)}")
+        from spectrain.heads.eagle import check_aux_layer_order  # the one layer-order rule (EagleConfig's)
+
+        aux = tuple(check_aux_layer_order(drafter.config.aux_layer_ids or (), "the EAGLE-3 drafter's aux_layer_ids"))
         self.capture_layers = aux if drafter.is_eagle3 else ()
         self.past = None
 

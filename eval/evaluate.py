@@ -14,6 +14,7 @@ Imports only torch and transformers (and safetensors through the drafter loaders
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -28,7 +29,7 @@ from . import metrics
 from .accept import Sampling
 from .calibrate import medusa_diagnostics
 from .costs import draft_cost, plan, probe_state, verify_cost
-from .decode import generate
+from .decode import Trace, generate
 from .drafters import (Autoregressive, Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter,
                        HybridDrafter, MedusaDrafter, ModelDrafter, NgramDrafter, check_min_match, truncated_verifier)
 from .static_model import StaticCausalLM
@@ -92,6 +93,7 @@ class EvalResult:
     method: str
     device: str
     dtype: str
+    batch_invariant: bool
     sampling: dict
     num_prompts: int
     max_new_tokens: int
@@ -258,11 +260,15 @@ def encode_turn(tokenizer, history: list[dict], use_template: bool) -> list[int]
     return tokenizer("\n".join(m["content"] for m in history), add_special_tokens=False)["input_ids"]
 
 
+def eos_ids(tokenizer) -> set[int]:
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
 def run_prompts(runner: StaticCausalLM, drafter: Drafter, prompts: list[list[str]], tokenizer, use_template: bool,
                 s: Settings) -> list[dict]:
     """Generate every turn of every prompt (later turns see the earlier answers, as MT-bench does)."""
     generator = torch.Generator(device=runner.device).manual_seed(s.seed)
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos = eos_ids(tokenizer)
     records = []
     for i, turns in enumerate(prompts):
         history, record = [], {"prompt": i, "turns": []}
@@ -314,24 +320,69 @@ def identical_turns(reference: list[dict], records: list[dict]) -> int:
     return sum(a["tokens"] == b["tokens"] for ra, rb in zip(reference, records) for a, b in zip(ra["turns"], rb["turns"]))
 
 
+def ulp(magnitude: float, dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s numbers at ``magnitude`` (bf16 at 20: 0.125)."""
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(magnitude, torch.finfo(dtype).tiny)))
+
+
 @torch.no_grad()
-def divergences(runner: StaticCausalLM, ar_records: list[dict], spec_records: list[dict]) -> dict:
-    """Where greedy spec and AR outputs differ (near-ties flip in low precision) and the verifier's top-1 vs
-    top-2 logit margin at the first differing token (teacher-forced on the AR sequence)."""
-    cases, turns = [], 0
+def divergences(runner: StaticCausalLM, spec: Drafter, ar_records: list[dict], spec_records: list[dict],
+                s: Settings, eos: set[int]) -> dict:
+    """Every T = 0 turn whose output parts from AR's, measured where it parts, with each path's own logits.
+
+    Both paths are decoded again up to the first differing token t with a :class:`~.decode.Trace` (the same
+    forwards in the same order, so the same numbers: checked against the recorded tokens). At t: the top-1 vs
+    top-2 margin of the verify pass that chose the speculative token and of the AR step that chose the greedy
+    one, each token's logit in the other path, and ``flip`` = how far the two paths' logit differences between
+    the two tokens lie apart (gap in verify + gap in AR). ``spread``: the same quantity where the paths agree —
+    how much the top-2 margin differs between the two paths at every position before t (same tokens, each path
+    its own KV cache and kernels). A divergence is a ``near_tie`` when its flip is within what rounding moves:
+    the spread's maximum, or two units in the last place of the decoding dtype at that logit's magnitude (the
+    logits are rounded to it), whichever is larger. In fp32 the paths agree exactly before t, so any divergence
+    there is flagged. A turn whose prompt already differs (an earlier turn parted) is ``inherited``, not measured.
+    """
+    cases, spread, turns, inherited, replayed = [], [], 0, 0, True
     for ra, rs in zip(ar_records, spec_records):
-        for ta, ts in zip(ra["turns"], rs["turns"]):
+        for turn, (ta, ts) in enumerate(zip(ra["turns"], rs["turns"])):
             turns += 1
-            first = next((i for i, (a, b) in enumerate(zip(ta["tokens"], ts["tokens"])) if a != b), None)
-            if first is None:
+            prompt = ta["sequence"][:ta["prompt_tokens"]]
+            if ts["sequence"][:ts["prompt_tokens"]] != prompt:
+                inherited += 1
                 continue
-            seq = ta["sequence"][:ta["prompt_tokens"] + first]
-            runner.reset()
-            logits = runner.logits(runner.forward(torch.tensor(seq, device=runner.device))[-1])
-            runner.reset()
-            top2 = logits.topk(2).values
-            cases.append({"prompt": ra["prompt"], "token_index": first, "margin": float(top2[0] - top2[1])})
-    return {"turns": turns, "diverged": len(cases), "cases": cases}
+            t = next((i for i, (a, b) in enumerate(zip(ta["tokens"], ts["tokens"])) if a != b), None)
+            if t is None:
+                continue
+            traces = {}
+            for name, drafter, record in (("ar", Autoregressive(), ta), ("verify", spec, ts)):
+                gen = generate(runner, drafter, prompt, t + 1, s.sampling, eos, trace=Trace(keep=t))
+                replayed &= gen.tokens == record["tokens"][:t + 1]
+                traces[name] = gen.trace
+            verify, ar = traces["verify"], traces["ar"]
+            s_tok, g_tok = ts["tokens"][t], ta["tokens"][t]
+            rv, rg = verify.row, ar.row
+            margin = lambda tr: float(tr.top_values[t, 0] - tr.top_values[t, 1])  # noqa: E731
+            gap_verify, gap_ar = float(rv[s_tok] - rv[g_tok]), float(rg[g_tok] - rg[s_tok])
+            cases.append({"prompt": ra["prompt"], "turn": turn, "position": t, "token_verify": s_tok,
+                          "token_ar": g_tok, "margin_verify": margin(verify), "margin_ar": margin(ar),
+                          "verify_logit_of_ar_token": float(rv[g_tok]), "ar_logit_of_verify_token": float(rg[s_tok]),
+                          "flip": gap_verify + gap_ar, "logit_magnitude": float(max(rv[s_tok].abs(), rg[g_tok].abs()))})
+            cases[-1]["logit_ulp"] = ulp(cases[-1]["logit_magnitude"], runner.dtype)
+            same = (verify.top_ids[:t] == ar.top_ids[:t]).all(-1)  # positions whose top 2 agree, in order
+            both = (verify.top_values[:t, 0] - verify.top_values[:t, 1]) - (ar.top_values[:t, 0] - ar.top_values[:t, 1])
+            spread.append(both[same].abs())
+    spread = torch.cat(spread) if spread else torch.zeros(0)
+    bound = float(spread.max()) if spread.numel() else 0.0
+    for case in cases:
+        case["near_tie"] = case["flip"] <= max(bound, 2 * case["logit_ulp"])
+    return {
+        "turns": turns, "diverged": len(cases), "inherited": inherited, "replayed_identically": replayed,
+        "max_margin": max((max(c["margin_verify"], c["margin_ar"]) for c in cases), default=0.0),
+        "max_flip": max((c["flip"] for c in cases), default=0.0),
+        "near_ties": sum(c["near_tie"] for c in cases),
+        "spread": {"positions": spread.numel(), "max": bound,
+                   "p99": float(spread.quantile(0.99)) if spread.numel() else 0.0,
+                   "median": float(spread.median()) if spread.numel() else 0.0},
+        "cases": cases}
 
 
 def hf_generate_speed(model, tokenizer, prompts: list[list[str]], use_template: bool, s: Settings,
@@ -378,7 +429,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
                      min_match: int = 2, min_match_sampled: int = 4, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, chat_template: bool | None = None,
                      compile: bool = False, hf_generate: int = 3, costs: bool = True,
-                     reference: list[dict] | None = None, max_len: int | None = None, seed: int = 0) -> EvalResult:
+                     reference: list[dict] | None = None, max_len: int | None = None, seed: int = 0,
+                     batch_invariant: bool | None = None) -> EvalResult:
     """Decode ``prompts`` with AR and with every drafting setting the arguments name; measure τ, α, speed.
 
     Args:
@@ -405,6 +457,9 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
             instead of decoding AR again.
         max_len: KV-cache positions (default: what the longest prompt's turns need).
         seed: the sampling generator's seed, the same for every setting.
+        batch_invariant: decode so that each token's numbers do not depend on the forward's width
+            (:class:`~.static_model.StaticCausalLM`); then low-precision chains equal AR token for token.
+            None: on in bf16 / fp16 on a CPU, off on CUDA and in fp32.
     """
     if method == "none":  # AR only: no chain, no costs to probe, nothing to plan
         k, costs = 0, False
@@ -442,7 +497,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
                       for p in prompts for t in p)
         max_len = min(context, max(len(p) for p in prompts) * (longest + max_new_tokens + 16) + 80)
     eagle3_layers = tuple(drafter.config.aux_layer_ids) if kind == "eagle" and drafter.is_eagle3 else ()
-    runner = StaticCausalLM(model, max_len=max_len, device=device, static=True if compile else None)
+    runner = StaticCausalLM(model, max_len=max_len, device=device, static=True if compile else None,
+                            batch_invariant=batch_invariant)
     compile_seconds = None
     if compile:  # every size compiled and warmed up here, before anything is timed
         runner.capture = eagle3_layers  # kept by every drafter's run: one set of graphs
@@ -482,7 +538,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         if isinstance(spec, HybridDrafter):
             summary["lookup_round_fraction"] = round(spec.lookup_rounds / max(spec.rounds, 1), 4)
         if sampling.greedy:
-            summary["divergences"] = divergences(runner, ar_records, records)
+            summary["divergences"] = divergences(runner, spec, ar_records, records, s, eos_ids(tokenizer))
         if calibration is not None and not shape_tree.is_chain:
             summary["expected_accept_length"] = expected_accept_length(shape_tree.paths, calibration["rank_accuracy"])
         if costs:
@@ -502,6 +558,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
     hf = hf_generate_speed(model, tokenizer, prompts, use_template, s, hf_generate)
     return EvalResult(
         method=method, device=str(device), dtype=str(param.dtype).replace("torch.", ""), sampling=asdict(sampling),
+        batch_invariant=runner.batch_invariant,
         num_prompts=len(prompts), max_new_tokens=max_new_tokens, chat_template=use_template, results=results,
         per_prompt=per_prompt, costs=cost_table if costs else None, planner=planner, calibration=calibration,
         hf_generate=hf, compile=None if compile_seconds is None else {"seconds": compile_seconds,

@@ -88,8 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto",
-                   help="auto (bf16 on CUDA and on CPUs with native bf16 matmuls, fp32 elsewhere; by capability, not "
-                        "measured as in spectrain-eval, so resumed rows keep one dtype), float32 or bfloat16")
+                   help="auto (bf16 on CUDA and on CPUs with native bf16 matmuls, fp32 elsewhere: the rule "
+                        "spectrain-eval uses, so resumed rows keep one dtype), float32 or bfloat16")
     p.add_argument("--out", default="runs/results")
     p.add_argument("--force", action="store_true", help="discard the rows of an existing --out with other settings")
     return p.parse_args(argv)

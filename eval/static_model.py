@@ -25,6 +25,7 @@ from torch import nn
 from spectrain.heads.errors import SpectrainError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION_ROWS = 16  # query rows per attention call in batch-invariant decoding
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ class KVCache(nn.Module):
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, rows: int | None = None) -> torch.Tensor:
     """Attention of (1, heads, n, d) queries over (1, kv_heads, span, d) keys and values through a (1, 1, n, span)
     boolean mask; (1, heads, n, d) out.
 
@@ -67,14 +68,35 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     (1, kv_heads, groups * n, d) queries over the keys as they are. SDPA's ``enable_gqa=True`` with a boolean
     mask takes the math path (K/V repeated over every group for the whole span, scores in fp32); folded, every
     backend may take it and nothing is repeated but the n-row mask.
+
+    ``rows``: batch-invariant attention — the folded query rows run in kernel calls of exactly ``rows`` rows
+    (the last call padded), batched as calls of one shape. SDPA's fused CPU kernel picks its blocking by the
+    number of query rows, so in bf16 one row's result would otherwise depend on how many rows run beside it
+    (a 1-token AR step vs the same row in a verify pass: 1 ulp, amplified over the layers into another greedy
+    token at near-ties). With fixed-size calls over a fixed span (a static cache), every row of every forward
+    goes through the same kernel with the same reduction order.
     """
     heads, kv_heads = q.shape[1], keys.shape[1]
-    if heads == kv_heads:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     groups, n, d = heads // kv_heads, q.shape[2], q.shape[3]
+    if heads == kv_heads and rows is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     folded = q.reshape(1, kv_heads, groups * n, d)  # head h = kv * groups + g, as HF's repeat_kv pairs them
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.repeat(1, 1, groups, 1), scale=scale)
-    return out.reshape(1, heads, n, d)  # not view: CUDA's memory-efficient kernel returns a (B, L, H, D) layout
+    folded_mask = mask.expand(1, 1, n, mask.shape[-1]).repeat(1, 1, groups, 1)
+    if rows is None:
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=folded_mask, scale=scale)
+        return out.reshape(1, heads, n, d)  # not view: CUDA's memory-efficient kernel returns (B, L, H, D)
+    total = groups * n
+    calls = -(-total // rows)
+    extra = calls * rows - total
+    if extra:  # padding rows: zero queries that see what row 0 sees (never an all-masked row), cut below
+        folded = torch.cat([folded, folded.new_zeros(1, kv_heads, extra, d)], 2)
+        folded_mask = torch.cat([folded_mask, folded_mask[:, :, :1].expand(1, 1, extra, -1)], 2)
+    span = keys.shape[2]
+    out = F.scaled_dot_product_attention(
+        folded.view(kv_heads, calls, rows, d).transpose(0, 1),  # (calls, kv_heads, rows, d)
+        keys.expand(calls, kv_heads, span, d), values.expand(calls, kv_heads, span, d),
+        attn_mask=folded_mask.view(1, calls, rows, span).transpose(0, 1), scale=scale)
+    return out.transpose(0, 1).reshape(1, kv_heads, calls * rows, d)[:, :, :total].reshape(1, heads, n, d)
 
 
 class StaticCausalLM:
@@ -84,7 +106,8 @@ class StaticCausalLM:
     once per decode round, after the round's single host sync).
     """
 
-    def __init__(self, model, max_len: int, device: torch.device | str | None = None, static: bool | None = None):
+    def __init__(self, model, max_len: int, device: torch.device | str | None = None, static: bool | None = None,
+                 batch_invariant: bool | None = None):
         config = model.config
         if config.model_type not in SUPPORTED:
             raise SpectrainError(f"the static-cache decoder supports {', '.join(SUPPORTED)} models, "
@@ -107,9 +130,24 @@ class StaticCausalLM:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.kv_heads = config.num_key_value_heads
+        # Batch-invariant (a row's numbers do not depend on how many rows run beside it): what makes bf16
+        # speculative output equal bf16 AR output token for token. It needs a fixed attention span (static
+        # shapes) and attention in calls of a fixed row count (grouped_attention's ``rows``). Default: on for
+        # low precision on a CPU, where it was measured; off on CUDA (untested there: cuBLAS and the fused
+        # attention kernels choose by shape) and in fp32, where both paths agree without it.
+        if batch_invariant is None:  # a caller that asks for dynamic shapes gets the plain path
+            batch_invariant = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+                               and static is not False)
+        if batch_invariant and static is False:
+            raise SpectrainError("batch-invariant decoding needs static shapes (attention over the whole buffer)")
+        self.batch_invariant = batch_invariant
+        self.attention_rows = ATTENTION_ROWS if batch_invariant else None
+        # A 1-row matmul takes a matrix-vector kernel whose reduction order differs from the 2+-row one (measured:
+        # the down projection, 1 bf16 ulp): batch-invariant forwards run at least 2 rows (the second a padding row).
+        self.min_rows = 2 if batch_invariant else 1
         # Static shapes (attention over the whole buffer, so a forward's shapes depend on n only): what a CUDA
-        # graph and a compiled graph need. The default on CUDA; ``static=True`` runs the same path on a CPU.
-        self.static = self.device.type == "cuda" if static is None else static
+        # graph, a compiled graph and batch-invariant decoding need. The default on CUDA and with batch_invariant.
+        self.static = (self.device.type == "cuda" or batch_invariant) if static is None else static
         # Static runs pad a forward to a compiled size; the padding rows write one scratch slot past max_len.
         self.width = max_len + 1 if self.static else max_len
         self.cache = KVCache(len(self.inner.layers), self.kv_heads, self.width, self.head_dim, self.dtype, self.device)
@@ -162,6 +200,11 @@ class StaticCausalLM:
             out, self.aux = self._forward_layers(input_ids, positions, mask[:, :span], slots, span)
             return out
         size = self.bucket(n)
+        if size is None and n < self.min_rows:  # batch-invariant: a 1-row forward runs as 2 rows, eagerly
+            input_ids, positions, mask, slots = self._pad(self.min_rows - n, input_ids, positions, mask, slots)
+            out, aux = self._forward_layers(input_ids, positions, mask, slots, self.width)
+            self.aux = None if aux is None else aux[:n]
+            return out[:n]
         if size is None:  # past every compiled size (a long prefill), or nothing compiled: eager, static shapes
             out, self.aux = self._forward_layers(input_ids, positions, mask, slots, self.width)
             return out
@@ -222,7 +265,7 @@ class StaticCausalLM:
             raise SpectrainError("compile() needs static shapes: StaticCausalLM(..., static=True) (the CUDA default)")
         if self.length:
             raise SpectrainError("compile() warms up on an empty cache: call it before decoding")
-        self.buckets = tuple(sorted({int(s) for s in sizes if 1 <= int(s) <= self.max_len}))
+        self.buckets = tuple(sorted({max(int(s), self.min_rows) for s in sizes if 1 <= int(s) <= self.max_len}))
         if not self.buckets:
             raise SpectrainError("compile() needs at least one forward size in 1..max_len")
         if mode == "auto":
@@ -263,7 +306,7 @@ class StaticCausalLM:
         self.cache.k[i].index_copy_(2, slots, k.to(self.dtype))
         self.cache.v[i].index_copy_(2, slots, v.to(self.dtype))
         keys, values = self.cache.k[i][:, :, :span], self.cache.v[i][:, :, :span]
-        out = grouped_attention(q, keys, values, mask, self.scaling)
+        out = grouped_attention(q, keys, values, mask, self.scaling, self.attention_rows)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 

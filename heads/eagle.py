@@ -63,6 +63,27 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return sorted({1 + (k * (num_layers - 2)) // (count - 1) for k in range(count)})
 
 
+def check_aux_layer_order(ids, where: str = "EAGLE-3 aux_layer_ids") -> list[int]:
+    """Raise unless ``ids`` are strictly ascending (sorted, no layer twice); returns them as a list.
+
+    The one rule for EAGLE-3 layer order, used by :class:`EagleConfig`, the export and the evaluator. Serving
+    engines capture the verifier's layers in ascending order and ``fc``'s input columns follow the order of the
+    ids, so ids out of order are refused, never sorted: a drafter trained on [5, 1, 3] would be silently wrong
+    on [1, 3, 5]. ``where`` names what holds the ids in the message.
+    """
+    ids = list(ids)
+    fixed = sorted(set(ids))
+    if ids == fixed:
+        return ids
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    problems = ([f"repeat layer{'s' if len(repeated) > 1 else ''} {repeated}"] if repeated else []) + (
+        ["are not ascending"] if list(dict.fromkeys(ids)) != fixed else [])
+    raise SpectrainError(
+        f"{where} {ids} {' and '.join(problems)}: fc's input columns follow the ids' order and serving engines "
+        f"capture the verifier's layers in ascending order, so ids are never reordered for you; train with "
+        f"--model.aux_layer_ids '{fixed}' (a drafter already trained on {ids} cannot be reordered: retrain it)")
+
+
 def _require_int(name: str, value, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise SpectrainError(f"EAGLE {name} must be an integer >= {minimum}, got {value!r}")
@@ -74,7 +95,8 @@ class EagleConfig:
 
     Sizes default to 0, which fails validation: build it with :meth:`for_verifier` or pass them all.
     ``draft_vocab_size`` (eagle3) defaults to min(vocab_size, 32000); for eagle1 it is the verifier's
-    vocabulary. ``aux_layer_ids`` (eagle3) default to :func:`default_aux_layers`; eagle1 has none.
+    vocabulary. ``aux_layer_ids`` (eagle3) default to :func:`default_aux_layers` and must be ascending and
+    distinct (:func:`check_aux_layer_order`: refused otherwise, never sorted); eagle1 has none.
     ``rope_scaling`` records the verifier's ``rope_scaling`` / ``rope_parameters`` for exporters; this
     module itself always uses default RoPE with ``rope_theta`` (the drafter is trained from scratch, so
     it only has to agree with itself).
@@ -146,9 +168,7 @@ class EagleConfig:
         if bad:
             raise SpectrainError(f"EAGLE aux_layer_ids {ids}: {bad} outside [1, {self.num_hidden_layers}] (HF "
                                  "hidden_states indices; 0 is the embeddings)")
-        if len(set(ids)) != len(ids):
-            raise SpectrainError(f"EAGLE aux_layer_ids {ids} repeat a layer")
-        self.aux_layer_ids = ids
+        self.aux_layer_ids = check_aux_layer_order(ids)
 
     @property
     def fused_width(self) -> int:
@@ -669,7 +689,10 @@ class EagleDrafter(nn.Module):
         raw = read_json(path / "config.json", "drafter config")
         if raw.get("method") not in VARIANTS:
             raise SpectrainError(f"{path} holds a {raw.get('method')!r} drafter, not an EAGLE one")
-        config = EagleConfig(**{k: v for k, v in raw.items() if k in EagleConfig.__dataclass_fields__})
+        try:  # an older checkpoint's config (unsorted aux_layer_ids, say) is refused by name, with its path
+            config = EagleConfig(**{k: v for k, v in raw.items() if k in EagleConfig.__dataclass_fields__})
+        except SpectrainError as err:
+            raise SpectrainError(f"{path}/config.json: {err}") from None
         if verifier_model is not None:
             _check_verifier(config, verifier_model, str(path))
         drafter = cls(config)

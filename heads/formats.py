@@ -25,7 +25,9 @@ loads a drafter with a missing norm or silently dropped biases without a word.
 Layer ids: ours are HF ``hidden_states`` indices. vLLM's ``eagle_aux_hidden_state_layer_ids`` use the
 same numbering for ids < N (id k = output of decoder layer k, 1-based), but id N there is the last layer's
 output *before* the final norm, while HF's ``hidden_states[N]`` is after it: a drafter trained on id N
-cannot be exported (clear error).
+cannot be exported (clear error). The engines capture their layers in ascending order, so ids must be ascending
+and distinct (:func:`~.eagle.check_aux_layer_order`, EagleConfig's rule), checked again on export and by
+:func:`validate_export`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .eagle import EagleConfig, EagleDrafter, check_vocab_map
+from .eagle import EagleConfig, EagleDrafter, check_aux_layer_order, check_vocab_map
 from .errors import SpectrainError
 from .io import atomic_dir, load_tensors, read_json, save_tensors, write_json
 from .medusa import MedusaConfig, MedusaHeads, check_compatible
@@ -185,6 +187,13 @@ def validate_export(path: str | Path, fmt: str) -> dict[str, tuple[int, ...]]:
     if fmt in ("eagle3", "speculators") and not problems:
         if found["d2t"][1] != "I64" or found["t2d"][1] != "BOOL":
             problems.append(f"d2t must be int64 and t2d bool, got {found['d2t'][1]} and {found['t2d'][1]}")
+    if fmt in ("eagle3", "speculators"):
+        nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        try:  # the ids the engines read (vLLM's top-level, SGLang's nested): layers are captured in ascending order
+            check_aux_layer_order(config.get("eagle_aux_hidden_state_layer_ids") or [], "eagle_aux_hidden_state_layer_ids")
+            check_aux_layer_order(nested or [], "eagle_config.eagle_aux_hidden_state_layer_ids")
+        except SpectrainError as err:
+            problems.append(str(err))
     if fmt == "vllm-medusa" and config.get("truncated_vocab_size", config["vocab_size"]) != config["vocab_size"]:
         problems.append("truncated_vocab_size differs from vocab_size without a token_map")
     if problems:
@@ -263,6 +272,9 @@ def _export_medusa(heads: MedusaHeads, fmt, verifier_lm_head, verifier_name, not
 
 
 def _check_eagle_exportable(c: EagleConfig, fmt: str) -> None:
+    # EagleConfig refuses ids out of order; a config edited after it was built is checked again here, because
+    # the engines capture their layers in ascending order whatever the config lists.
+    check_aux_layer_order(c.aux_layer_ids or [], f"this EAGLE-3 drafter's aux_layer_ids (exporting {fmt})")
     if c.num_hidden_layers in (c.aux_layer_ids or []):
         raise SpectrainError(
             f"this EAGLE-3 drafter fuses hidden_states[{c.num_hidden_layers}] (the verifier's final, normed "

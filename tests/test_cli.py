@@ -25,6 +25,78 @@ def small_args(verifier: Path, data: Path, run_dir: Path, *extra: str, logger: s
             "--data.batch_size", "4", "--run_dir", str(run_dir), "--logger", logger, *extra]
 
 
+def recomputed_medusa_validation(verifier_dir: Path, heads: MedusaHeads, data_path: Path, block_size: int,
+                                 batch_size: int, batches: int) -> tuple[float, list[float]]:
+    """Predicted tau and each head's top-1 agreement with the verifier on a run's validation batches, by brute force
+    (fp32): the verifier's full logits, every head's argmax, chains walked position by position."""
+    from itertools import islice
+
+    from transformers import AutoModelForCausalLM
+
+    from spectrain.data.datamodule import DrafterDataModule
+
+    data = DrafterDataModule(path=str(data_path), tokenizer=str(verifier_dir), block_size=block_size,
+                             batch_size=batch_size)
+    data.setup("fit")
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
+    K = heads.config.num_heads
+    chains, hits, counts = [], [0] * K, [0] * K
+    for batch in islice(data.val_dataloader(), batches):
+        with torch.no_grad():
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+            greedy = out.logits.argmax(-1)  # (B, T): the verifier's next token after each position
+            drafts = heads(out.hidden_states[-1], model.get_output_embeddings()).argmax(-1)  # (K, B, T)
+        valid = (batch["loss_mask"] * batch["attention_mask"]).bool()
+        B, T = greedy.shape
+        for b in range(B):  # head k (0-based) at t drafts the token at t + k + 2, the verifier's greedy at t + k + 1
+            for k in range(K):
+                for t in range(T - k - 2):
+                    if valid[b, t + k + 2]:
+                        counts[k] += 1
+                        hits[k] += int(drafts[k, b, t] == greedy[b, t + k + 1])
+            for t in range(T - K - 1):
+                if all(valid[b, t + k + 2] for k in range(K)):
+                    length = 0
+                    while length < K and drafts[length, b, t] == greedy[b, t + length + 1]:
+                        length += 1
+                    chains.append(length)
+    return 1.0 + sum(chains) / len(chains), [h / n for h, n in zip(hits, counts)]
+
+
+def measured_by_decoding(run_dir: Path, data_path: Path, num_prompts: int, new_tokens: int):
+    """``measure(heads) -> (tau, alpha_1)``: the run's measure prompts (its validation set's first) decoded with
+    ``heads`` through the evaluator's loop (chain of min(5, heads), T = 0) in the run's verifier dtype, tau and
+    alpha_1 counted from the rounds."""
+    import yaml
+
+    from spectrain.data.datamodule import DrafterDataModule
+    from spectrain.eval.decode import generate
+    from spectrain.eval.drafters import MedusaDrafter
+    from spectrain.eval.static_model import StaticCausalLM
+    from spectrain.eval.tree import Tree
+    from spectrain.train.base import measure_prompts_from
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    model_args = config["model"]["init_args"]
+    dtype = getattr(torch, model_args["verifier_dtype"])
+    verifier = load_verifier(model_args["verifier"], dtype=dtype).model
+    data = DrafterDataModule(**{**config["data"], "path": str(data_path), "tokenizer": model_args["verifier"]})
+    data.setup("fit")
+    prompts = measure_prompts_from(data.val_set, num_prompts)
+    assert len(prompts) == num_prompts
+
+    def measure(heads: MedusaHeads) -> tuple[float, float]:
+        k = min(model_args["measure_k"], heads.config.num_heads)
+        chain = MedusaDrafter(heads.to(dtype).eval(), verifier.get_output_embeddings(), Tree.chain(k))
+        runner = StaticCausalLM(verifier, max_len=max(map(len, prompts)) + new_tokens + k + 2)
+        outs = [generate(runner, chain, p, new_tokens) for p in prompts]
+        accepts = [a for o in outs for a in o.accept_lengths]
+        assert sum(len(o.tokens) for o in outs) == len(prompts) + sum(sum(o.emitted_per_round) for o in outs)
+        return sum(sum(o.emitted_per_round) for o in outs) / len(accepts), sum(a >= 1 for a in accepts) / len(accepts)
+
+    return measure
+
+
 def test_every_config_names_only_arguments_its_classes_take():
     """Each recipe names its LightningModule (model.class_path) and its model / data / trainer keys are parameters
     of that class / DrafterDataModule / Trainer (a misspelt key would otherwise surface only when someone runs that recipe)."""
@@ -54,17 +126,40 @@ def test_every_config_names_only_arguments_its_classes_take():
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_fast_dev_run_per_config(config, verifier_factory, text_file, tmp_path):
-    """Each recipe YAML parses into its module's typed __init__ args and runs one step."""
-    # The tiny vocabulary is smaller than the recipes' draft / training vocabularies.
-    extra = (["--model.draft_vocab_size", "null"] if config.startswith("eagle3") else
-             ["--model.train_vocab_size", "null"] if "train_vocab_size" in Path(config_path(config)).read_text() else [])
-    path = train(config,
-                 args=small_args(verifier_factory("llama", False), text_file, tmp_path / "run", "--trainer.fast_dev_run",
-                                 "true", *extra))
+def test_fast_dev_run_per_config(config, verifier_factory, text_file, tmp_path, monkeypatch):
+    """Each recipe YAML parses into its module's typed __init__ args and runs one step with its own vocabulary
+    knobs: a recipe's training or draft vocabulary of N rows runs on a verifier of 320 + N (the tiny tokenizer's
+    tokens and N padded rows), and the drafter trained has the recipe's N."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from spectrain.train.base import DrafterModule
+
+    init = yaml.safe_load(Path(config_path(config)).read_text())["model"]["init_args"]
+    knob = init.get("train_vocab_size") or init.get("draft_vocab_size") or 0
+    verifier = verifier_factory("llama", False, vocab_size_extra=knob)
+    vocab = json.loads((verifier / "config.json").read_text())["vocab_size"]
+    assert vocab > knob
+    chosen = []  # the training vocabulary each module chose
+    real = DrafterModule.set_train_vocab
+    monkeypatch.setattr(DrafterModule, "set_train_vocab",
+                        lambda self, rows: (real(self, rows), chosen.append(self.train_rows.clone())))
+    run_dir = tmp_path / "run"
+    path = train(config, args=small_args(verifier, text_file, run_dir, "--trainer.fast_dev_run", "true"))
     summary = json.loads(path.read_text())
     assert summary["steps"] == 1
-    assert (tmp_path / "run" / "model.safetensors").is_file()
+    assert (run_dir / "model.safetensors").is_file()
+    metrics = summary["val_metrics"]
+    if init.get("train_vocab_size"):  # Medusa / EAGLE-1: the loss projects onto the N most frequent tokens
+        assert [len(rows) for rows in chosen] == [init["train_vocab_size"]]
+        assert 0 < metrics["train_vocab_coverage"] <= 1
+    else:
+        assert chosen == [] and "train_vocab_coverage" not in metrics
+    if init.get("variant") == "eagle3":  # its own lm_head over the draft vocabulary (null: min(V, 32000))
+        expected = init.get("draft_vocab_size") or min(vocab, 32000)
+        weights = load_file(run_dir / "model.safetensors")
+        assert json.loads((run_dir / "config.json").read_text())["draft_vocab_size"] == expected
+        assert weights["lm_head.weight"].shape[0] == expected == weights["d2t"].shape[0]
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -77,8 +172,10 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 def test_train_medusa_end_to_end(verifier_factory, text_file, tmp_path):
     verifier_dir = verifier_factory("qwen3", True)
     run_dir = tmp_path / "run"
+    # fp32, so the brute-force recomputation below sees the argmaxes the run saw
     proc = run_cli(*small_args(verifier_dir, text_file, run_dir, "--trainer.max_steps", "6",
-                               "--trainer.val_check_interval", "3", "--model.num_heads", "3"))
+                               "--trainer.val_check_interval", "3", "--model.num_heads", "3",
+                               "--trainer.precision", "32-true"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     last_line = proc.stdout.strip().splitlines()[-1]
     assert Path(last_line) == (run_dir / "summary.json").resolve()
@@ -86,7 +183,6 @@ def test_train_medusa_end_to_end(verifier_factory, text_file, tmp_path):
     assert summary["steps"] == 6 and summary["method"] == "medusa" and summary["target"] == "greedy"
     assert [row[0] for row in summary["per_position"]["rows"]] == [1, 2, 3]
     assert summary["per_position"]["columns"][1] == "top1 vs verifier"
-    assert 1.0 <= summary["tau_pred"] <= 4.0
     assert "top1 vs verifier" in proc.stdout
     for name in ("config.yaml", "config.json", "model.safetensors", "checkpoints/best.ckpt"):
         assert (run_dir / name).is_file(), name
@@ -95,6 +191,12 @@ def test_train_medusa_end_to_end(verifier_factory, text_file, tmp_path):
     # The export is the best checkpoint's heads, and reloads to identical logits.
     verifier = load_verifier(str(verifier_dir)).model
     exported = MedusaHeads.from_pretrained(run_dir, verifier_model=verifier)
+    # The summary's predicted tau and per-head table are the exported heads' on the validation batches
+    # (the recipe's limit_val_batches: 20), recomputed by brute force.
+    tau, top1 = recomputed_medusa_validation(verifier_dir, exported, text_file, 64, 4, 20)
+    assert summary["tau_pred"] == pytest.approx(tau, abs=1e-9) and summary["tau_pred"] > 1.0
+    assert summary["tau_pred"] == pytest.approx(1 + sum(summary["val_metrics"][f"p_chain_{j}"] for j in (1, 2, 3)))
+    assert [row[1] for row in summary["per_position"]["rows"]] == pytest.approx(top1, abs=1e-9)
     ckpt = torch.load(run_dir / "checkpoints" / "best.ckpt", map_location="cpu", weights_only=True)
     from_ckpt = MedusaHeads(exported.config)
     from_ckpt.load_state_dict({k[len("drafter."):]: v for k, v in ckpt["state_dict"].items()})
@@ -230,8 +332,16 @@ def test_chat_data_skips_rows_without_assistant(verifier_factory, tmp_path):
     # Measured tau at every validation: the learning curve in the summary, against tokens trained.
     curve = summary["curve"]
     assert [c["step"] for c in curve] == [1, 2] and curve[0]["trained_tokens"] < curve[1]["trained_tokens"]
-    assert all(1.0 <= c["tau_measured"] <= 5.0 and "tau_pred" in c for c in curve)
-    assert summary["tau_measured"] == curve[-1]["tau_measured"]
+    assert all("tau_pred" in c for c in curve)
+    # The summary's measured tau and alpha_1 are the lossless loop's on the first two validation prompts,
+    # re-decoded here with the exported (best) heads; the learning curve holds them at the best checkpoint's step.
+    run_dir = tmp_path / "run"
+    exported = MedusaHeads.from_pretrained(run_dir)
+    tau, alpha1 = measured_by_decoding(run_dir, data, num_prompts=2, new_tokens=8)(exported)
+    assert (summary["tau_measured"], summary["val_metrics"]["alpha1_measured"]) == pytest.approx((tau, alpha1))
+    best_step = torch.load(run_dir / "checkpoints" / "best.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    at_best = next(c for c in curve if c["step"] == best_step)
+    assert (at_best["tau_measured"], at_best["alpha1_measured"]) == pytest.approx((tau, alpha1))
 
 
 def test_time_budget_without_a_step_budget_is_a_clear_error(verifier_factory, text_file, tmp_path):

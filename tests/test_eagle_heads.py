@@ -3,6 +3,9 @@ Llama-layer equivalence, KV cache, training-time test vs a naive reference, expo
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -129,7 +132,10 @@ BASE = dict(variant="eagle3", hidden_size=32, vocab_size=100, num_hidden_layers=
 
 @pytest.mark.parametrize("change,message", [
     (dict(draft_vocab_size=101), "exceeds the verifier's vocabulary"),
-    (dict(aux_layer_ids=[2, 4, 2]), "repeat"),
+    (dict(aux_layer_ids=[2, 4, 2]), r"\[2, 4, 2\] repeat layer \[2\].*--model.aux_layer_ids '\[2, 4\]'"),
+    # refused, not sorted: fc's input columns follow the ids' order (one rule: check_aux_layer_order)
+    (dict(aux_layer_ids=[5, 2, 4]), r"\[5, 2, 4\] are not ascending.*--model.aux_layer_ids '\[2, 4, 5\]'"),
+    (dict(aux_layer_ids=[4, 2, 4]), r"repeat layer \[4\] and are not ascending.*'\[2, 4\]'"),
     (dict(aux_layer_ids=[0, 4, 5]), "outside"),
     (dict(aux_layer_ids=[2, 4, 9]), "outside"),
     (dict(aux_layer_ids=[]), "at least one"),
@@ -156,6 +162,60 @@ def test_config_defaults():
         assert len(ids) == len(set(ids)) == max(1, min(3, n - 1)) and all(1 <= i <= max(1, n - 1) for i in ids), (n, ids)
         if n >= 7:
             assert ids == [2, n // 2, n - 3]
+        # what a run gets without --model.aux_layer_ids: ascending, so EagleConfig (and the engines) take it
+        assert ids == sorted(set(ids)), (n, ids)
+        assert EagleConfig(**{**BASE, "num_hidden_layers": n}).aux_layer_ids == ids
+
+
+def test_recipes_name_no_unsorted_aux_layers():
+    """What the recipes pass: every aux_layer_ids in configs/*.yaml is null (the ascending default) or ascending."""
+    import inspect
+
+    import yaml
+
+    from spectrain.train.eagle import EagleModule
+
+    assert inspect.signature(EagleModule).parameters["aux_layer_ids"].default is None
+    recipes = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    assert recipes
+    for recipe in recipes:
+        init = (yaml.safe_load(recipe.read_text()).get("model") or {}).get("init_args") or {}
+        ids = init.get("aux_layer_ids")
+        assert ids is None or ids == sorted(set(ids)), (recipe.name, ids)
+
+
+def test_training_refuses_unsorted_aux_layers(verifier_factory):
+    """Training no longer keeps an order the engines and the evaluator would not: the run stops before it starts."""
+    from spectrain.train.eagle import EagleModule
+
+    verifier_dir = verifier_factory("llama", False, layers=8)
+    with pytest.raises(SpectrainError, match=r"\[5, 2, 4\] are not ascending.*--model.aux_layer_ids '\[2, 4, 5\]'"):
+        EagleModule(variant="eagle3", verifier=str(verifier_dir), aux_layer_ids=[5, 2, 4])
+    assert EagleModule(variant="eagle3", verifier=str(verifier_dir)).drafter.config.aux_layer_ids == [2, 4, 5]
+
+
+def test_unsorted_aux_layers_on_disk_are_refused_by_name(tmp_path, verifiers):
+    """An older checkpoint (or a hand-edited config) with layers out of order fails with the path and the fix, and
+    the evaluator's drafter applies the same rule to a config changed after it was built."""
+    from spectrain.eval.drafters import EagleChainDrafter
+    from spectrain.heads.formats import import_drafter
+
+    verifier = verifiers()
+    drafter = make_drafter(verifier, "eagle3")
+    assert drafter.config.aux_layer_ids == [2, 4, 5]
+    drafter.save_pretrained(tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    config["aux_layer_ids"] = [5, 2, 4]  # same fc width: without the rule this would load and run, silently wrong
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    expected = r"old/config.json: EAGLE-3 aux_layer_ids \[5, 2, 4\] are not ascending.*'\[2, 4, 5\]'"
+    with pytest.raises(SpectrainError, match=expected):
+        EagleDrafter.from_pretrained(tmp_path / "old")
+    with pytest.raises(SpectrainError, match=expected):  # the evaluator's and --init_from's loader
+        import_drafter(tmp_path / "old", verifier_model=verifier)
+    EagleChainDrafter(drafter, verifier, 3)
+    drafter.config.aux_layer_ids = [5, 2, 4]
+    with pytest.raises(SpectrainError, match=r"aux_layer_ids \[5, 2, 4\] are not ascending.*'\[2, 4, 5\]'"):
+        EagleChainDrafter(drafter, verifier, 3)
 
 
 # -- attention: causality, Llama equivalence, cache -------------------------------------------------------------

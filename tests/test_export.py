@@ -190,6 +190,32 @@ def test_bad_exports_leave_nothing_behind(tmp_path, verifier):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
 
 
+def test_unsorted_aux_layers_are_never_exported(tmp_path, verifier):
+    """Engines capture the verifier's layers in ascending order: an EAGLE-3 config whose ids are out of order (EagleConfig
+    refuses them; here edited after it was built) is refused before anything is written, and a written export whose
+    ids were edited fails validation, so it is not imported either."""
+    drafter = make_eagle(verifier, "eagle3")
+    drafter.config.aux_layer_ids = [5, 2, 4]  # hand-made: past EagleConfig's own check
+    for fmt in ("eagle3", "speculators"):
+        with pytest.raises(SpectrainError, match=rf"exporting {fmt}\) \[5, 2, 4\] are not ascending.*'\[2, 4, 5\]'"):
+            export_drafter(drafter, fmt, tmp_path / fmt)
+    assert list(tmp_path.iterdir()) == []
+    for key, ids in (("eagle_aux_hidden_state_layer_ids", [5, 2, 4]), ("eagle_config", [4, 1, 3])):
+        out = export_drafter(make_eagle(verifier, "eagle3"), "eagle3", tmp_path / key)
+        config = json.loads((out / "config.json").read_text())
+        if key == "eagle_config":  # SGLang's ids (one less), the only ones a SpecForge checkpoint has
+            del config["eagle_aux_hidden_state_layer_ids"]
+            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        else:
+            config[key] = ids
+        (out / "config.json").write_text(json.dumps(config))
+        message = rf"not a valid eagle3 export: .*{key}.*\[{', '.join(map(str, ids))}\] are not ascending"
+        with pytest.raises(SpectrainError, match=message):
+            validate_export(out, "eagle3")
+        with pytest.raises(SpectrainError, match=message):
+            import_drafter(out, verifier_model=verifier)
+
+
 def test_pickled_medusa_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
     (tmp_path / "medusa_lm_head.pt").write_bytes(b"\x80\x04pickle")
@@ -233,6 +259,11 @@ def test_export_cli(tmp_path, verifier):
     assert "Traceback" not in bad.stderr
     again = run_cli(run_dir, "--format", "eagle3")
     assert again.returncode == 2 and "already exists; pass --force" in again.stderr
+    config = json.loads((run_dir / "config.json").read_text())  # an older run with its layers out of order
+    (run_dir / "config.json").write_text(json.dumps({**config, "aux_layer_ids": [5, 2, 4]}))
+    old = run_cli(run_dir, "--format", "speculators", "--force")
+    assert old.returncode == 2 and "aux_layer_ids [5, 2, 4] are not ascending" in old.stderr, old.stderr
+    assert "--model.aux_layer_ids '[2, 4, 5]'" in old.stderr and "Traceback" not in old.stderr
 
 
 def test_evaluator_reads_exports_with_the_same_result(tmp_path, verifier_factory):

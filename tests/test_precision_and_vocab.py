@@ -343,21 +343,23 @@ def test_freed_host_memory_is_reused_without_page_faults():
 
 
 # -- decoding dtype -------------------------------------------------------------------------------------------------
-def test_decode_dtype_follows_capability_then_measurement(verifier_factory, monkeypatch):
+def test_decode_dtype_is_a_rule_no_timer_can_flip(monkeypatch):
+    """``--dtype auto`` follows capability alone: nothing is timed, so a noisy timer cannot change the choice
+    (the old rule raced fp32 against bf16 once per job and flipped between runs of the same command)."""
+    from spectrain.eval import costs
     from spectrain.eval import decode_dtype as dd
     from spectrain.eval.evaluate import Settings, verify_sizes
 
-    model = load_verifier(str(verifier_factory("llama", False)), dtype="float32").model
+    def noisy_timer(*args, **kwargs):
+        raise AssertionError("decode_dtype timed a forward")
+
+    monkeypatch.setattr(costs, "verify_cost", noisy_timer)
+    monkeypatch.setattr(costs, "_timer", noisy_timer)
     monkeypatch.setattr(dd, "bf16_is_native", lambda device: False)
-    assert dd.decode_dtype(model, "cpu", 6) == (torch.float32, {"reason": "no native bf16 on this CPU"})
+    assert dd.decode_dtype("cpu") == (torch.float32, {"rule": "fp32: no native bf16 on this cpu"})
     monkeypatch.setattr(dd, "bf16_is_native", lambda device: True)
-    timings = iter([0.002, 0.001])  # fp32 then bf16: bf16 measures faster
-    monkeypatch.setattr(dd, "verify_cost", lambda runner, tree, context, repeats: next(timings))
-    dtype, why = dd.decode_dtype(model, "cpu", 6)
-    assert dtype == torch.bfloat16 and why["ms"] == {"float32": 2.0, "bfloat16": 1.0} and why["width"] == 6
-    assert next(model.parameters()).dtype == torch.float32  # the loaded model is not cast; a copy was timed
-    timings = iter([0.001, 0.002])
-    assert dd.decode_dtype(model, "cpu", 1)[0] == torch.float32
+    choices = {dd.decode_dtype("cpu")[0] for _ in range(5)}
+    assert choices == {torch.bfloat16} and "AMX" in dd.decode_dtype("cpu")[1]["rule"]
     assert verify_sizes(Settings(method="none")) == [1]
     assert max(verify_sizes(Settings(method="ngram", k=5))) == 6
     assert verify_sizes(Settings(method="medusa", k=4, tree="auto:32")) == [1, 5, 33]

@@ -3,9 +3,16 @@
 It owns the frozen verifier (outside the optimizer, never checkpointed) and the
 shared machinery: optimizer and schedule, validation counters reduced across
 ranks, checkpoint filtering, precision (the verifier in the run's compute dtype, loaded natively so its
-fp32 RoPE tables stay fp32), the training vocabulary and the loss's recompute-or-keep decision. A drafter
-subclass provides ``build_drafter``, ``drafter_loss``, ``validation_counts``, ``val_metrics`` and
-``summary_rows``.
+fp32 RoPE tables stay fp32), the training vocabulary and the loss's recompute-or-keep decision.
+
+A drafter subclass implements ``build_drafter`` (the drafter module, built from the loaded verifier),
+``drafter_loss`` (a batch's loss and parts to log), ``validation_counts`` and ``val_metrics`` (counts summed over
+the validation set and ranks, then metrics, ``tau_pred`` among them), ``summary_rows`` (the summary's per-head /
+per-step table), ``eval_drafter`` (the evaluator's chain drafter for measured tau) and ``export`` (the final
+drafter written into the run directory, called by ``train/cli.py``), and sets ``method_name``. It may override
+``feature_layer_ids`` (verifier layers it reads besides the last hidden state; default none), ``needs_greedy``
+(whether training steps read the verifier's greedy ids; default validation only), ``no_decay_params`` (weights
+kept out of weight decay) and ``setup`` (calling this one first).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ class DrafterModule(L.LightningModule):
     """Base for drafters trained on a frozen verifier.
 
     Args:
-        verifier: HF hub id, local model directory, or ``bundled:tinyshakespeare``.
+        verifier: HF hub id, local model directory, or ``bundled:<name>`` (``tinyshakespeare``, ``smollm2``).
         verifier_gguf_file: GGUF file name inside ``verifier`` (the weights are dequantized on load).
         verifier_dtype: ``auto`` (bf16 where the device multiplies bf16 natively: CUDA, CPUs with AMX or
             AVX512-BF16; fp32 elsewhere), ``float32`` or ``bfloat16``. The CLIs set it from the run's precision.
@@ -218,6 +225,11 @@ class DrafterModule(L.LightningModule):
 
     def summary_rows(self, metrics: dict) -> tuple[list[str], list[list]]:
         """(column names, rows) of the per-head / per-step table in the summary."""
+        raise NotImplementedError
+
+    def export(self, out_dir, drafter: torch.nn.Module, extra: Optional[dict] = None):
+        """Write ``drafter`` (:meth:`plain_drafter`; the best checkpoint's weights where there is one) into ``out_dir``
+        in our format; ``extra``: run facts (``trained_steps``) the format may record. Returns ``out_dir``."""
         raise NotImplementedError
 
     @staticmethod
@@ -605,7 +617,8 @@ class DrafterModule(L.LightningModule):
         ids, saved_ids = self.fused_layers(), saved.get("aux_layer_ids")
         layers = self.verifier.config.num_hidden_layers
         if ids and saved_ids is None and layers < 7 and getattr(self, "aux_layer_ids", None) is None:
-            # saved before checkpoints recorded it, by a run on the old small-verifier default (all of [1, N])
+            # saved before checkpoints recorded it, by a run on the old small-verifier default (min(3, N) ids
+            # spread evenly over [1, N], N included)
             count = min(3, layers)
             saved_ids = [1] if count == 1 else sorted({1 + (k * (layers - 1)) // (count - 1) for k in range(count)})
         if ids and saved_ids is not None and list(saved_ids) != ids:

@@ -30,7 +30,8 @@ class EagleModule(DrafterModule):
     Args:
         variant: eagle1 or eagle3.
         draft_vocab_size: eagle3 draft vocabulary (default min(V, 32000)).
-        aux_layer_ids: eagle3 HF ``hidden_states`` indices to fuse (default [2, N//2, N-3], distinct for small N).
+        aux_layer_ids: eagle3 HF ``hidden_states`` indices to fuse, ascending and distinct (others are refused, not
+            sorted: ``fc``'s input columns follow their order); default [2, N//2, N-3], distinct for small N.
         ttt_steps: eagle3 training-time-test steps.
         feature_noise: width of the uniform noise on eagle1's input features.
         feature_loss_weight, ce_loss_weight: eagle1 loss weights.
@@ -225,5 +226,7 @@ class EagleModule(DrafterModule):
                 [[i + 1, metrics.get(f"step{i + 1}_top1_ver")] for i in range(self.val_steps)])
 
     def export(self, out_dir: str | Path, drafter: EagleDrafter, extra: dict | None = None) -> Path:
-        """Write ``drafter`` (:meth:`plain_drafter`) in our format (``extra`` is Medusa's; EAGLE's config says it)."""
+        """Write ``drafter`` (:meth:`plain_drafter`) in our format: ``config.json`` holds the :class:`EagleConfig`
+        fields only, so ``extra`` (the trained step count, which Medusa's config records) is not written; the run's
+        ``summary.json`` has the steps."""
         return drafter.save_pretrained(out_dir)

@@ -1,0 +1,164 @@
+"""Outputs unchanged in bf16: batch-invariant decoding (a chain's output equals AR's token for token) and the
+divergence record (both paths' own logits where a tree's output parts; a decoding bug is not called a near-tie)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spectrain.eval.cli import divergence_line
+from spectrain.eval.decode import Trace, generate
+from spectrain.eval.drafters import Autoregressive, NgramDrafter
+from spectrain.eval.evaluate import evaluate_drafter, ulp
+from spectrain.eval.static_model import ATTENTION_ROWS, StaticCausalLM, grouped_attention
+from spectrain.heads.precision import bf16_is_native, cast_module
+from spectrain.heads.verifier import Verifier
+from tests.eval_helpers import bigram_verifier, oracle_medusa
+
+# Where the old loop's kernels were measured to depend on the forward's width (AMX / AVX512-BF16 CPUs): there the
+# negative controls below must see the old loop part from AR, or these tests prove nothing.
+NATIVE_BF16 = bf16_is_native("cpu")
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    """A random bf16 Llama with a wide MLP (the down projection's 1-row kernel reduces in another order) and
+    near-uniform logits (many near-ties), GQA 4/2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return cast_module(LlamaForCausalLM(config).eval(), torch.bfloat16)
+
+
+def rows(runner: StaticCausalLM, seq: torch.Tensor, start: int, n: int, steps: bool) -> torch.Tensor:
+    """(n, H) final hidden states of tokens start..start+n-1: one forward of n rows, or n one-token steps."""
+    runner.reset()
+    runner.forward(seq[:start])
+    runner.commit(start)
+    if not steps:
+        return runner.forward(seq[start:start + n])
+    out = []
+    for j in range(n):
+        out.append(runner.forward(seq[start + j:start + j + 1])[0])
+        runner.commit(1)
+    return torch.stack(out)
+
+
+def test_batch_invariant_rows_equal_one_token_steps(bf16_model):
+    """Every row of a k-row forward (a verify pass) equals, bit for bit, the same token run as a 1-token AR
+    step — the property that makes bf16 speculative output equal bf16 AR output."""
+    seq = torch.randint(0, 320, (200,), generator=torch.Generator().manual_seed(1))
+    invariant = StaticCausalLM(bf16_model, max_len=200)
+    assert invariant.batch_invariant and invariant.static  # the CPU bf16 default
+    old = StaticCausalLM(bf16_model, max_len=200, batch_invariant=False)
+    # 100 rows: 200 folded query rows, past the fused kernel's switch to larger query blocks (192)
+    old_mismatches = 0
+    for start in (20, 37, 60, 97):
+        for n in (2, 6, 33, 100):
+            assert torch.equal(rows(invariant, seq, start, n, steps=False), rows(invariant, seq, start, n, steps=True))
+            old_mismatches += not torch.equal(rows(old, seq, start, n, steps=False), rows(old, seq, start, n, steps=True))
+    if NATIVE_BF16:  # negative control: without it the same comparisons fail
+        assert old_mismatches > 0
+
+
+def test_attention_in_fixed_row_calls_is_row_invariant():
+    """SmolLM2's attention shapes (9 query / 3 KV heads, head_dim 64, a 601-slot static span): with fixed-size
+    calls each query row's output is bit-equal however many rows run beside it and wherever it sits; the fused
+    kernel called on the whole forward is not (negative control, where bf16 is native)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 9, 80, 64, generator=g).bfloat16()
+    keys, values = (torch.randn(1, 3, 601, 64, generator=g).bfloat16() for _ in range(2))
+    mask = (torch.arange(601)[None] <= 300 + torch.arange(80)[:, None])[None, None]
+
+    def attend(rows_, start, n):
+        return grouped_attention(q[:, :, start:start + n], keys, values, mask[:, :, start:start + n], 0.125, rows_)
+
+    single = torch.cat([attend(ATTENTION_ROWS, i, 1) for i in range(80)], 2)
+    plain_single = torch.cat([attend(None, i, 1) for i in range(80)], 2)
+    plain_differs = False
+    for n in (2, 6, 33, 65, 80):
+        for start in {0, 80 - n, (80 - n) // 2}:
+            assert torch.equal(attend(ATTENTION_ROWS, start, n), single[:, :, start:start + n])
+            plain_differs |= not torch.equal(attend(None, start, n), plain_single[:, :, start:start + n])
+    if NATIVE_BF16:
+        assert plain_differs
+
+
+def test_bf16_chain_output_equals_ar_by_construction(bf16_model):
+    """Prompt-lookup chains over a near-tie-rich bf16 model: token-identical to AR with batch-invariant decoding;
+    the old loop parts from AR on the same prompts (negative control, where bf16 is native)."""
+    g = torch.Generator().manual_seed(2)
+    motif = torch.randint(0, 320, (6,), generator=g).tolist()
+    prompts = [motif * 3 + torch.randint(0, 320, (8,), generator=g).tolist() for _ in range(4)]
+    parted = {}
+    for invariant in (True, False):
+        runner = StaticCausalLM(bf16_model, max_len=160, batch_invariant=invariant)
+        same = 0
+        for prompt in prompts:
+            ar = generate(runner, Autoregressive(), prompt, 64)
+            spec = generate(runner, NgramDrafter(4), prompt, 64)
+            same += ar.tokens == spec.tokens
+            if invariant:
+                assert spec.verifier_forwards < ar.verifier_forwards  # drafts were accepted: rows beyond row 0 ran
+        parted[invariant] = len(prompts) - same
+    assert parted[True] == 0
+    if NATIVE_BF16:
+        assert parted[False] > 0
+
+
+def test_trace_keeps_the_deciding_rows(bf16_model):
+    """The trace's top-2 are those of the row that chose each emitted token: its top-1 id is the token (T = 0)."""
+    runner = StaticCausalLM(bf16_model, max_len=120)
+    prompt = list(range(10, 30)) * 2
+    gen = generate(runner, NgramDrafter(3), prompt, 30, trace=Trace(keep=7))
+    assert gen.trace.top_ids[:, 0].tolist() == gen.tokens
+    assert torch.equal(gen.trace.row.topk(2).values, gen.trace.top_values[7])
+
+
+@pytest.fixture(scope="module")
+def fp32_setup(tiny_tokenizer):
+    model, perm = bigram_verifier(vocab=320)
+    return Verifier(model, tiny_tokenizer, "bigram"), oracle_medusa(model, perm, 3, noise=0.5)
+
+
+def test_a_decoding_bug_is_not_called_a_near_tie(fp32_setup, monkeypatch):
+    """fp32: no divergence. Verify passes that add 100 to one token's logit from one cache length on (a bug the
+    AR loop never runs into): the divergence is measured at that token with both paths' own margins, and flagged
+    as beyond rounding, not as a near-tie."""
+    verifier, heads = fp32_setup
+    prompts = [["tell me of the king"], ["the river ran fast and"]]
+    clean = evaluate_drafter(verifier, prompts, drafter=heads, k=3, max_new_tokens=24, hf_generate=0, costs=False,
+                             chat_template=False)
+    d = clean.results["chain-3"]["divergences"]
+    assert clean.results["chain-3"]["identical_to_ar"] and d["diverged"] == 0 and d["turns"] == 2
+
+    prompt_len = len(verifier.tokenizer("tell me of the king", add_special_tokens=False)["input_ids"])
+    bug_at, bad_token = prompt_len + 5, 7
+    logits = StaticCausalLM.logits
+
+    def buggy(self, hidden):
+        out = logits(self, hidden)
+        if hidden.shape[0] > 1 and self.length >= bug_at:  # verify passes from one cache length on
+            out = out.clone()
+            out[0, bad_token] += 100.0
+        return out
+
+    monkeypatch.setattr(StaticCausalLM, "logits", buggy)
+    result = evaluate_drafter(verifier, prompts, drafter=heads, k=3, max_new_tokens=24, hf_generate=0, costs=False,
+                              chat_template=False)
+    chain = result.results["chain-3"]
+    d = chain["divergences"]
+    assert not chain["identical_to_ar"] and d["replayed_identically"]
+    case = next(c for c in d["cases"] if c["prompt"] == 0)
+    assert case["token_verify"] == bad_token and case["token_ar"] != bad_token
+    assert case["position"] >= bug_at - prompt_len  # where the bug first ran (the token after the round's root)
+    assert case["margin_verify"] > 20 and case["flip"] > 20 and not case["near_tie"]
+    assert d["spread"]["max"] < 1e-3  # fp32: the two paths agree before parting
+    assert d["near_ties"] < d["diverged"] and "beyond rounding" in divergence_line(d)
+
+
+def test_ulp_is_the_dtype_spacing():
+    assert ulp(20.0, torch.bfloat16) == 0.125 and ulp(0.75, torch.bfloat16) == 2 ** -8
+    assert ulp(20.0, torch.float32) == 16 * 2 ** -23

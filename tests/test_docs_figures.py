@@ -1,0 +1,400 @@
+"""Every figure the docs show comes from a committed result file, and the docs hold together.
+
+* The results table of README.md (and the same table in docs/smollm2.md §6) equals ``docs/results/smollm2.json``
+  cell by cell (each τ as printed: 3 decimals), both ways: no cell without its row, no row without its cell.
+* smollm2.md §5's training table equals the ``training`` records of that file, results.md's published-figures
+  table its ``published`` entries, and the claims README makes about the table (best learned drafter, hybrid
+  beats both parts, the identity counts, the token ratio) hold in it.
+* Every ``results/*.json`` named in README.md or docs/ exists, parses and records the command that wrote it
+  (and a date, where it has one); every committed result file is listed in docs/results.md with its date.
+* No command names a path only this repository's machines have (``../shared``); README stays short and links
+  docs/data.md; every relative link and anchor in README.md and docs/ resolves.
+
+Each check is a function returning its problems, and each has a negative control below that feeds it a broken
+input and expects it to complain. No network, no ``../shared``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+RESULTS = DOCS / "results"
+SMOLLM2 = RESULTS / "smollm2.json"
+
+# The results table's columns and drafter labels -> (set, setting, temperature) and the JSON's drafter names.
+COLUMNS = {
+    "MT-bench chain 5": ("mt_bench", "chain-5", 0.0),
+    "MT-bench tree ≤ 64": ("mt_bench", "tree-64", 0.0),
+    "MT-bench chain 5, T = 1": ("mt_bench", "chain-5", 1.0),
+    "Alpaca-80 chain 5": ("alpaca", "chain-5", 0.0),
+    "GSM8K chain 5": ("gsm8k", "chain-5", 0.0),
+}
+DRAFTERS = {
+    "prompt lookup": "ngram",
+    "Medusa": "medusa",
+    "EAGLE-1": "eagle1",
+    "EAGLE-3": "eagle3",
+    "hybrid (lookup + EAGLE-1)": "hybrid-eagle1",
+    "hybrid (lookup + EAGLE-3)": "hybrid-eagle3",
+}
+RESULTS_TABLE_HEADER = "| drafter | MT-bench chain 5 |"
+TRAINING_TABLE_HEADER = "| drafter | steps | trained tokens |"
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def doc_pages() -> list[Path]:
+    return [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
+
+
+def flat(text: str) -> str:
+    """Whitespace runs (line breaks included) as one space, so a phrase can be found across wrapped lines."""
+    return re.sub(r"\s+", " ", text)
+
+
+def without_code(text: str) -> str:
+    """The page without its fenced code blocks (their ``#`` lines are comments, not headings)."""
+    return re.sub(r"^```.*?^```[^\n]*$", "", text, flags=re.S | re.M)
+
+
+def code_blocks(text: str) -> list[str]:
+    return re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def split_row(line: str) -> list[str]:
+    """Cells of a markdown table row (escaped ``\\|`` stays inside its cell), without bold markers."""
+    cells = re.split(r"(?<!\\)\|", line.strip().strip("|"))
+    return [c.replace("**", "").strip() for c in cells]
+
+
+def table_after(text: str, header_prefix: str) -> tuple[list[str], list[list[str]]]:
+    """The first table whose header line starts with ``header_prefix``: (header cells, body rows)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(header_prefix):
+            body = []
+            for row in lines[i + 2:]:  # skip the |---| line
+                if not row.startswith("|"):
+                    break
+                body.append(split_row(row))
+            return split_row(line), body
+    raise AssertionError(f"no table starting with {header_prefix!r}")
+
+
+def result_rows(data: dict) -> dict[tuple[str, str, str, float], dict]:
+    return {(r["drafter"], r["set"], r["setting"], float(r["temperature"])): r for r in data["rows"]}
+
+
+def taus(data: dict) -> dict[tuple[str, str], float]:
+    """(drafter, column) -> τ of that row, for the rows the results table has a column for."""
+    out = {}
+    for (drafter, set_, setting, temperature), row in result_rows(data).items():
+        for column, key in COLUMNS.items():
+            if key == (set_, setting, temperature):
+                out[(drafter, column)] = row["tau"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> dict:
+    return json.loads(read(SMOLLM2))
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def results_table_problems(page_text: str, data: dict) -> list[str]:
+    """How the page's results table differs from the result file (empty: equal, both ways)."""
+    header, body = table_after(page_text, RESULTS_TABLE_HEADER)
+    problems = [f"unknown column {c!r}" for c in header[1:] if c not in COLUMNS]
+    by_row = result_rows(data)
+    seen = set()
+    for cells in body:
+        label, values = cells[0], cells[1:]
+        drafter = DRAFTERS.get(label)
+        if drafter is None:
+            problems.append(f"unknown drafter {label!r}")
+            continue
+        if len(values) != len(header) - 1:
+            problems.append(f"{label}: {len(values)} cells for {len(header) - 1} columns")
+            continue
+        for column, value in zip(header[1:], values):
+            if column not in COLUMNS:
+                continue
+            row = by_row.get((drafter, *COLUMNS[column]))
+            if row is None:
+                if value not in ("–", "-"):
+                    problems.append(f"{label} / {column}: {value} has no row in the file")
+                continue
+            seen.add((drafter, *COLUMNS[column]))
+            if value != f"{row['tau']:.3f}":
+                problems.append(f"{label} / {column}: table {value}, file {row['tau']:.3f} ({row['key']})")
+    for key, row in by_row.items():
+        if key not in seen:
+            problems.append(f"row {row['key']} of the file is not in the table")
+    return problems
+
+
+def training_table_problems(page_text: str, data: dict) -> list[str]:
+    """smollm2.md §5's table against each drafter's ``training`` record and its MT-bench chain-5 τ."""
+    header, body = table_after(page_text, TRAINING_TABLE_HEADER)
+    rows = result_rows(data)
+    problems = []
+    labels = {"Medusa": "medusa", "EAGLE-1": "eagle1", "EAGLE-3": "eagle3"}
+    found = set()
+    for cells in body:
+        drafter = next((v for k, v in labels.items() if cells[0].startswith(k)), None)
+        if drafter is None:
+            problems.append(f"unknown drafter {cells[0]!r}")
+            continue
+        found.add(drafter)
+        row = rows[(drafter, "mt_bench", "chain-5", 0.0)]
+        t = row["training"]
+        want = [f"{t['steps']:,}", f"{t['trained_tokens']:,}", f"{round(t['wall_seconds']):,} s",
+                f"{t['tau_pred']:.3f}", f"{row['tau']:.3f}"]
+        for column, have, expected in zip(header[1:], cells[1:], want):
+            if have != expected:
+                problems.append(f"{cells[0]} / {column}: table {have}, file {expected}")
+    problems += [f"drafter {d} missing from the table" for d in labels.values() if d not in found]
+    return problems
+
+
+def published_table_problems(page_text: str, data: dict) -> list[str]:
+    """docs/results.md's table of published figures: each τ published is one of the file's ``published``
+    entries, and each τ here is the file's MT-bench tree-64 τ of the drafter it names."""
+    header, body = table_after(page_text, "| method | τ published |")
+    published = {(p["method"], p["verifier"], p["tau"]) for p in data["published"]}
+    tree = {d: t for (d, column), t in taus(data).items() if column == "MT-bench tree ≤ 64"}
+    here = {"Medusa-1": "medusa", "EAGLE-2": "eagle1", "EAGLE-3": "eagle3"}
+    problems = []
+    for method, tau_published, verifier_bench, tau_here in body:
+        verifier = verifier_bench.split(",")[0].strip()
+        if (method, verifier, float(tau_published)) not in published:
+            problems.append(f"{method} {tau_published} on {verifier} is not in the file's published figures")
+        if tau_here.split()[0] != f"{tree[here[method]]:.3f}":
+            problems.append(f"{method}: τ here {tau_here.split()[0]}, file {tree[here[method]]:.3f}")
+    if len(body) != len(published):
+        problems.append(f"{len(body)} published rows for {len(published)} in the file")
+    return problems
+
+
+def claim_problems(readme: str, data: dict) -> list[str]:
+    """The claims README makes about the results table, checked in the file."""
+    text, problems = flat(readme), []
+    tau = taus(data)
+    for column in COLUMNS:
+        learned = {d: tau[(d, column)] for d in ("medusa", "eagle1", "eagle3")}
+        if max(learned, key=learned.get) != "eagle1":
+            problems.append(f"EAGLE-1 is not the best learned drafter on {column}")
+        parts = [tau[(d, column)] for d in ("ngram", "eagle1") if (d, column) in tau]
+        if not tau[("hybrid-eagle1", column)] > max(parts):
+            problems.append(f"the EAGLE-1 hybrid does not beat both of its parts on {column}")
+    same = [r["identical_to_greedy"] for r in data["rows"] if r["set"] == "mt_bench" and r["temperature"] == 0]
+    n = {r["prompts"] for r in data["rows"] if r["set"] == "mt_bench"}
+    phrase = f"{min(same)}–{max(same)} of the {n.pop()}"
+    if phrase not in text:
+        problems.append(f"README does not say {phrase!r} (identical_to_greedy of the MT-bench T = 0 rows)")
+    train = {r["drafter"]: r["training"] for r in data["rows"] if r["drafter"] in ("eagle1", "eagle3")}
+    e1, e3 = train["eagle1"], train["eagle3"]
+    for quoted in (f"{e1['trained_tokens'] / e3['trained_tokens']:.1f}× the tokens", f"{e1['trained_tokens']:,}",
+                   f"{e3['trained_tokens']:,}", f"{round(e1['wall_seconds']):,} s",
+                   f"{round(e3['wall_seconds']):,} s"):
+        if quoted not in text:
+            problems.append(f"README does not quote {quoted!r} from the training records")
+    return problems
+
+
+def result_file_problems(pages: dict[str, str], results_dir: Path) -> list[str]:
+    """Every ``results/NAME.json`` the pages name must exist, parse and record a non-empty ``command``
+    (and, where it has a ``date``, an ISO date)."""
+    problems = []
+    named = sorted({m for text in pages.values() for m in re.findall(r"results/([\w.-]+\.json)", text)})
+    for name in named:
+        path = results_dir / name
+        if not path.is_file():
+            problems.append(f"{name} is named in the docs but not committed under docs/results/")
+            continue
+        try:
+            data = json.loads(read(path))
+        except json.JSONDecodeError as e:
+            problems.append(f"{name} is not valid JSON: {e}")
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("command"), str) or not data["command"].strip():
+            problems.append(f"{name} records no command")
+            continue
+        if "date" in data:
+            try:
+                datetime.date.fromisoformat(str(data["date"])[:10])
+            except ValueError:
+                problems.append(f"{name} has a date that is not ISO: {data['date']!r}")
+    return problems
+
+
+def index_problems(results_page: str, results_dir: Path) -> list[str]:
+    """Every committed result file has a row in docs/results.md's table that links it and gives its date."""
+    problems = []
+    rows = [line for line in results_page.splitlines() if line.startswith("|")]
+    for path in sorted(results_dir.glob("*.json")):
+        row = next((r for r in rows if f"(results/{path.name})" in r), None)
+        if row is None:
+            problems.append(f"{path.name} is not listed in docs/results.md")
+        elif not re.search(r"\b\d{4}-\d{2}-\d{2}\b", row):
+            problems.append(f"docs/results.md lists {path.name} without a date")
+    return problems
+
+
+def path_problems(pages: dict[str, str]) -> list[str]:
+    """No command (and, outside the dated log, no text at all) names this repository's machines' paths."""
+    problems = []
+    for name, text in pages.items():
+        where = "\n".join(code_blocks(text)) if name == "docs/LOG.md" else text
+        for bad in ("../shared", "/work/"):
+            if bad in where:
+                problems.append(f"{name} names {bad}")
+    return problems
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    out, counts = set(), {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", without_code(text), flags=re.M):
+        base = slug(heading)
+        n = counts.get(base, 0)
+        counts[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def link_problems(pages: dict[Path, str]) -> list[str]:
+    """Every relative link of the pages points to a file that exists and, with ``#anchor``, to a heading in it."""
+    problems = []
+    for page, text in pages.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", without_code(text)):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (page.parent / file_part).resolve() if file_part else page
+            if not dest.exists():
+                problems.append(f"{page.name}: link to missing {target}")
+                continue
+            if anchor:
+                dest_text = pages.get(dest) if dest in pages else read(dest) if dest.suffix == ".md" else ""
+                if anchor not in anchors(dest_text):
+                    problems.append(f"{page.name}: no heading for #{anchor} in {dest.name}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/smollm2.md"])
+def test_results_table_equals_the_committed_file(page, smollm2):
+    assert results_table_problems(read(ROOT / page), smollm2) == []
+
+
+def test_training_table_equals_the_training_records(smollm2):
+    assert training_table_problems(read(DOCS / "smollm2.md"), smollm2) == []
+
+
+def test_published_figures_are_the_files(smollm2):
+    page = read(DOCS / "results.md")
+    assert published_table_problems(page, smollm2) == []
+    assert published_table_problems(page.replace("| EAGLE-3 | 6.6 |", "| EAGLE-3 | 6.7 |"), smollm2)
+
+
+def test_readme_claims_about_the_table_hold_in_the_file(smollm2):
+    assert claim_problems(read(ROOT / "README.md"), smollm2) == []
+
+
+def test_every_result_file_named_exists_and_records_its_command():
+    pages = {str(p.relative_to(ROOT)): read(p) for p in doc_pages()}
+    assert any("results/smollm2.json" in t for t in pages.values())
+    assert result_file_problems(pages, RESULTS) == []
+
+
+def test_every_committed_result_file_is_listed_with_its_date():
+    assert index_problems(read(DOCS / "results.md"), RESULTS) == []
+
+
+def test_no_machine_only_paths_and_a_short_readme():
+    pages = {str(p.relative_to(ROOT)): read(p) for p in doc_pages()}
+    assert path_problems(pages) == []
+    readme = pages["README.md"]
+    assert len(readme.splitlines()) <= 250
+    assert not re.search(r"\bissues? #?\d+", readme, flags=re.I)
+    assert "(docs/data.md)" in readme and (DOCS / "data.md").is_file()
+
+
+def test_links_and_anchors_resolve():
+    assert link_problems({p.resolve(): read(p) for p in doc_pages()}) == []
+
+
+# ------------------------------------------------------------------------------------------------ negative controls
+
+
+def test_a_changed_or_missing_cell_is_caught(smollm2):
+    readme = read(ROOT / "README.md")
+    changed = readme.replace("| EAGLE-1 | 1.883 |", "| EAGLE-1 | 1.884 |")
+    assert changed != readme
+    problems = results_table_problems(changed, smollm2)
+    assert problems == ["EAGLE-1 / MT-bench chain 5: table 1.884, file 1.883 (eagle1__mt_bench__chain-5__T0)"]
+    dropped = "\n".join(line for line in readme.splitlines() if not line.startswith("| Medusa |"))
+    assert len(results_table_problems(dropped, smollm2)) == 5  # the 5 Medusa rows of the file have no cell
+    filled = readme.replace("| prompt lookup | 1.505 | – |", "| prompt lookup | 1.505 | 1.000 |")
+    assert results_table_problems(filled, smollm2) == ["prompt lookup / MT-bench tree ≤ 64: 1.000 has no row in the file"]
+
+
+def test_a_changed_training_figure_or_claim_is_caught(smollm2):
+    page = read(DOCS / "smollm2.md")
+    assert training_table_problems(page.replace("| 2,700 | 2,847,509 |", "| 2,700 | 2,847,000 |"), smollm2)
+    readme = read(ROOT / "README.md")
+    assert claim_problems(readme.replace("4.3× the tokens", "4.4× the tokens"), smollm2)
+    worse = json.loads(json.dumps(smollm2))
+    for row in worse["rows"]:
+        if row["key"] == "hybrid-eagle1__gsm8k__chain-5__T0":
+            row["tau"] = 2.4  # below EAGLE-1's 2.500: the README's claim would no longer hold
+    assert claim_problems(readme, worse) == ["the EAGLE-1 hybrid does not beat both of its parts on GSM8K chain 5"]
+
+
+def test_a_missing_or_commandless_result_file_is_caught(tmp_path):
+    (tmp_path / "ok.json").write_text(json.dumps({"command": "spectrain-results ...", "date": "2026-12-01"}))
+    (tmp_path / "nocommand.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "baddate.json").write_text(json.dumps({"command": "x", "date": "yesterday"}))
+    pages = {"a.md": "see [it](results/ok.json), results/nocommand.json, results/baddate.json and results/gone.json"}
+    assert result_file_problems(pages, tmp_path) == [
+        "baddate.json has a date that is not ISO: 'yesterday'",
+        "gone.json is named in the docs but not committed under docs/results/",
+        "nocommand.json records no command",
+    ]
+    assert index_problems("| [results/ok.json](results/ok.json) | x | soon | c |", tmp_path) == [
+        "baddate.json is not listed in docs/results.md", "nocommand.json is not listed in docs/results.md",
+        "docs/results.md lists ok.json without a date"]
+
+
+def test_machine_only_paths_and_broken_links_are_caught(tmp_path):
+    assert path_problems({"docs/x.md": "```bash\nspectrain-eval --prompts ../shared/data/p.jsonl\n```\n"})
+    assert path_problems({"docs/LOG.md": "`../shared/data` is this checkout's copy"}) == []
+    page = tmp_path / "p.md"
+    other = tmp_path / "q.md"
+    other.write_text("# Title\n\n## 4. The hybrid drafter: prompt lookup + a trained drafter\n")
+    text = "[a](q.md#4-the-hybrid-drafter-prompt-lookup--a-trained-drafter) [b](q.md#nope) [c](gone.md) [d](#here)\n"
+    page.write_text(text)
+    assert link_problems({page: text}) == ["p.md: no heading for #nope in q.md", "p.md: link to missing gone.md",
+                                           "p.md: no heading for #here in p.md"]
