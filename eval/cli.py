@@ -157,8 +157,11 @@ def identity(r: dict, temperature: float) -> str:
 def divergence_line(d: dict) -> str:
     """Where T = 0 outputs part from AR, in a line: near-ties or not, with both paths' own margins."""
     spread = d["spread"]
-    verdict = ("all near-ties" if d["near_ties"] == d["diverged"] else
-               f"{d['diverged'] - d['near_ties']} beyond rounding (the spread and 2 ulp): a decoding bug?")
+    unmeasured = sum(not c["replayed"] for c in d["cases"])
+    beyond = d["diverged"] - unmeasured - d["near_ties"]
+    verdict = ("all near-ties" if not beyond else f"{beyond} beyond rounding (the spread and 2 ulp): a decoding bug?")
+    if unmeasured:
+        verdict += f"; {unmeasured} not measured (a replay did not reproduce the records: another decoder made them)"
     return (f"{d['diverged']} of {d['turns']} turns part from AR ({d['inherited']} more only after an earlier turn "
             f"parted): {verdict} — largest own top-2 margin {d['max_margin']:.3f}, largest flip {d['max_flip']:.3f} "
             f"vs the paths' margin spread before parting {spread['max']:.3f} (p99 {spread['p99']:.3f}, "

@@ -352,17 +352,22 @@ def divergences(runner: StaticCausalLM, spec: Drafter, ar_records: list[dict], s
             t = next((i for i, (a, b) in enumerate(zip(ta["tokens"], ts["tokens"])) if a != b), None)
             if t is None:
                 continue
-            traces = {}
+            traces, reproduced = {}, True
             for name, drafter, record in (("ar", Autoregressive(), ta), ("verify", spec, ts)):
-                gen = generate(runner, drafter, prompt, t + 1, s.sampling, eos, trace=Trace(keep=t))
-                replayed &= gen.tokens == record["tokens"][:t + 1]
+                generator = torch.Generator(device=runner.device).manual_seed(s.seed)  # T = 0: unused, but local
+                gen = generate(runner, drafter, prompt, t + 1, s.sampling, eos, generator, trace=Trace(keep=t))
+                reproduced &= gen.tokens == record["tokens"][:t + 1]
                 traces[name] = gen.trace
+            if not reproduced:  # another decoder than the records' (a reused reference): nothing to measure here
+                replayed = False
+                cases.append({"prompt": ra["prompt"], "turn": turn, "position": t, "replayed": False})
+                continue
             verify, ar = traces["verify"], traces["ar"]
             s_tok, g_tok = ts["tokens"][t], ta["tokens"][t]
             rv, rg = verify.row, ar.row
             margin = lambda tr: float(tr.top_values[t, 0] - tr.top_values[t, 1])  # noqa: E731
             gap_verify, gap_ar = float(rv[s_tok] - rv[g_tok]), float(rg[g_tok] - rg[s_tok])
-            cases.append({"prompt": ra["prompt"], "turn": turn, "position": t, "token_verify": s_tok,
+            cases.append({"prompt": ra["prompt"], "turn": turn, "position": t, "replayed": True, "token_verify": s_tok,
                           "token_ar": g_tok, "margin_verify": margin(verify), "margin_ar": margin(ar),
                           "verify_logit_of_ar_token": float(rv[g_tok]), "ar_logit_of_verify_token": float(rg[s_tok]),
                           "flip": gap_verify + gap_ar, "logit_magnitude": float(max(rv[s_tok].abs(), rg[g_tok].abs()))})
@@ -372,13 +377,14 @@ def divergences(runner: StaticCausalLM, spec: Drafter, ar_records: list[dict], s
             spread.append(both[same].abs())
     spread = torch.cat(spread) if spread else torch.zeros(0)
     bound = float(spread.max()) if spread.numel() else 0.0
-    for case in cases:
+    measured = [c for c in cases if c["replayed"]]
+    for case in measured:
         case["near_tie"] = case["flip"] <= max(bound, 2 * case["logit_ulp"])
     return {
         "turns": turns, "diverged": len(cases), "inherited": inherited, "replayed_identically": replayed,
-        "max_margin": max((max(c["margin_verify"], c["margin_ar"]) for c in cases), default=0.0),
-        "max_flip": max((c["flip"] for c in cases), default=0.0),
-        "near_ties": sum(c["near_tie"] for c in cases),
+        "max_margin": max((max(c["margin_verify"], c["margin_ar"]) for c in measured), default=0.0),
+        "max_flip": max((c["flip"] for c in measured), default=0.0),
+        "near_ties": sum(c["near_tie"] for c in measured),
         "spread": {"positions": spread.numel(), "max": bound,
                    "p99": float(spread.quantile(0.99)) if spread.numel() else 0.0,
                    "median": float(spread.median()) if spread.numel() else 0.0},

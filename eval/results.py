@@ -43,6 +43,7 @@ from . import metrics
 from .drafters import check_min_match
 from .evaluate import EvalResult, encode_turn, evaluate_drafter, load_drafter, summarize
 from .prompts import prompt_rows
+from .static_model import default_batch_invariant
 
 PROMPT_SETS = ("mt_bench", "alpaca", "gsm8k")
 
@@ -382,12 +383,16 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
         raise SpectrainError("no prompt sets: give --mt_bench, --alpaca and/or --gsm8k")
     rows = plan_rows(args, drafters, sets)
     out = Path(args.out)
+    ctx = Context(args, sets)
     settings = settings_of(args, sets)
+    # Batch-invariant numbers depend on the decoder's buffer width (the attention span): rows and references
+    # made with another width or mode are not this run's.
+    settings["common"].update(max_len=ctx.max_len, batch_invariant=default_batch_invariant(
+        args.device, resolve_dtype(args.dtype, args.device)))
     rows_dir = open_out(out, settings, args.force)
     prints = {name: ("ngram-max3" if name == "ngram" else fingerprint(path) + (
         f"-hybrid-m{args.min_match}s{args.min_match_sampled}" if name.startswith("hybrid-") else ""))
               for name, path in drafters.items()}
-    ctx = Context(args, sets)
     t0 = time.time()
 
     references = {}

@@ -11,7 +11,9 @@ forward (Llama, Mistral, Qwen2 and Qwen3 decoder layers) so that:
 * rollback is setting ``length``; accepted tree nodes are compacted with one
   ``index_copy_`` — nothing is reallocated;
 * on CUDA every shape is static (attention spans ``max_len``), which is what a
-  CUDA graph needs; on CPU attention spans only the filled part.
+  CUDA graph needs; in bf16/fp16 on a CPU too, for batch-invariant decoding (a
+  row's numbers independent of the forward's width); in fp32 on a CPU attention
+  spans only the filled part.
 """
 
 from __future__ import annotations
@@ -99,6 +101,11 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(0, 1).reshape(1, kv_heads, calls * rows, d)[:, :, :total].reshape(1, heads, n, d)
 
 
+def default_batch_invariant(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Batch-invariant decoding by default: low precision on a CPU (where it was measured to give identity)."""
+    return torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 class StaticCausalLM:
     """Forward of an HF Llama-family causal LM over a :class:`KVCache`.
 
@@ -136,8 +143,7 @@ class StaticCausalLM:
         # low precision on a CPU, where it was measured; off on CUDA (untested there: cuBLAS and the fused
         # attention kernels choose by shape) and in fp32, where both paths agree without it.
         if batch_invariant is None:  # a caller that asks for dynamic shapes gets the plain path
-            batch_invariant = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-                               and static is not False)
+            batch_invariant = default_batch_invariant(self.device, self.dtype) and static is not False
         if batch_invariant and static is False:
             raise SpectrainError("batch-invariant decoding needs static shapes (attention over the whole buffer)")
         self.batch_invariant = batch_invariant
@@ -311,7 +317,9 @@ class StaticCausalLM:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., V) in fp32."""
+        """(..., H) -> (..., V) in fp32 (batch-invariant: a single row runs as 2, like the layers' matmuls)."""
+        if self.min_rows > 1 and hidden.dim() == 2 and hidden.shape[0] == 1:
+            return self.lm_head(torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])]))[:1].float()
         return self.lm_head(hidden).float()
 
     # -- cache bookkeeping ------------------------------------------------------------------------------------------

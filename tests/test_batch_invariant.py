@@ -57,7 +57,10 @@ def test_batch_invariant_rows_equal_one_token_steps(bf16_model):
     old_mismatches = 0
     for start in (20, 37, 60, 97):
         for n in (2, 6, 33, 100):
-            assert torch.equal(rows(invariant, seq, start, n, steps=False), rows(invariant, seq, start, n, steps=True))
+            at_once, stepped = rows(invariant, seq, start, n, steps=False), rows(invariant, seq, start, n, steps=True)
+            assert torch.equal(at_once, stepped)
+            # and the head: a 1-row projection (an AR step's logits) equals that row's in a verify pass
+            assert torch.equal(torch.cat([invariant.logits(h[None]) for h in stepped]), invariant.logits(at_once))
             old_mismatches += not torch.equal(rows(old, seq, start, n, steps=False), rows(old, seq, start, n, steps=True))
     if NATIVE_BF16:  # negative control: without it the same comparisons fail
         assert old_mismatches > 0
