@@ -338,8 +338,8 @@ def divergences(runner: StaticCausalLM, spec: Drafter, ar_records: list[dict], s
     how much the top-2 margin differs between the two paths at every position before t (same tokens, each path
     its own KV cache and kernels). A divergence is a ``near_tie`` when its flip is within what rounding moves:
     the spread's maximum, or two units in the last place of the decoding dtype at that logit's magnitude (the
-    logits are rounded to it), whichever is larger. In fp32 the paths agree exactly before t, so any divergence
-    there is flagged. A turn whose prompt already differs (an earlier turn parted) is ``inherited``, not measured.
+    logits are rounded to it), whichever is larger. In fp32 the paths agree to ~1e-6 before t and the ulp is as
+    small, so any divergence there is flagged. A turn whose prompt already differs (an earlier turn parted) is ``inherited``, not measured.
     """
     cases, spread, turns, inherited, replayed = [], [], 0, 0, True
     for ra, rs in zip(ar_records, spec_records):
