@@ -19,7 +19,8 @@ from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, resolve_dtype
 
 from .decode_dtype import decode_dtype
-from .evaluate import METHODS, Settings, evaluate_drafter, load_drafter
+from .evaluate import Settings, evaluate_drafter, load_drafter, methods
+from .families import learned_methods
 from .plots import write_plots
 from .prompts import BUNDLED, load_prompts
 
@@ -29,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--verifier", default="bundled:tinyshakespeare", help="hub id, local dir or bundled:<name>")
     p.add_argument("--gguf_file", default=None, help="GGUF file inside --verifier")
-    p.add_argument("--method", default="medusa", choices=METHODS, help="drafter kind")
+    p.add_argument("--method", default="medusa", choices=methods(), help="drafter kind")
     p.add_argument("--drafter", default=None, help="drafter directory: a train_medusa / train_eagle run dir, or "
                    "an export in any spectrain-export format (vLLM, SGLang, TensorRT-LLM, speculators); "
                    "--method hybrid takes either kind")
@@ -73,6 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode so that a token's numbers do not depend on how many tokens a forward runs beside it "
                         "(static attention span, fixed-size attention calls, no 1-row matmuls): bf16 chains then "
                         "equal bf16 AR token for token. auto: on in bf16/fp16 on a CPU, off on CUDA and in fp32")
+    p.add_argument("--draft_vocab", type=int, default=None, metavar="N",
+                   help="Medusa / EAGLE-1: draft over the N most frequent tokens of the drafter's training data "
+                        "(its vocab_ranking.json); 0 = the full vocabulary. Default: the vocabulary it trained over "
+                        "(full when it records none). The verifier always verifies over the full vocabulary, so "
+                        "outputs are unchanged; only the drafting cost and tau move")
     p.add_argument("--hf_generate", type=int, default=3, help="prompts timed with HF generate() (0: skip)")
     p.add_argument("--compile", action="store_true",
                    help="compile the verifier's forwards for every verify size this job uses (bucketed; CUDA graphs "
@@ -121,13 +127,13 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     has_template = bool(getattr(verifier.tokenizer, "chat_template", None))
     chat_template = {"on": True, "off": False}.get(args.chat_template, has_template and args.prompts != BUNDLED)
     drafter = None
-    if args.method in ("medusa", "eagle", "hybrid"):
+    if args.method in learned_methods() + ("hybrid",):
         drafter = load_drafter(args.drafter, verifier, args.method, args.allow_verifier_mismatch)
     draft_model = None
     if args.method == "draft-model":
         draft_model = load_draft_model(args.draft_model, verifier, args.device)
     result = evaluate_drafter(verifier, prompts, drafter=drafter, draft_model=draft_model, chat_template=chat_template,
-                              hf_generate=args.hf_generate,
+                              hf_generate=args.hf_generate, draft_vocab=args.draft_vocab,
                               batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant], **options)
     out_dir = Path(args.out or f"runs/eval/{args.method}-{Path(args.verifier.replace(':', '-')).name}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -172,14 +178,16 @@ def tables(summary: dict) -> list[str]:
     rows = []
     for name, r in summary["results"].items():
         rows.append([name, r.get("tree_size", 0), r["tau"], r["tokens_per_second"], r["decode_ms_per_token"],
-                     r.get("speedup", 1.0), r.get("ideal_speedup", 1.0), r["distinct_4gram"],
+                     r.get("speedup", 1.0), r.get("ideal_speedup", 1.0),
+                     "-" if "draft_over_verify" not in r else round(r["draft_over_verify"], 3), r["distinct_4gram"],
                      "-" if name == "ar" else identity(r, summary["sampling"]["temperature"])])
     hf = summary["hf_generate"]
     title = (f"{summary['method']} on {summary['verifier']} — {summary['num_prompts']} prompts, "
              f"T={summary['sampling']['temperature']}, {summary['max_new_tokens']} new tokens, {summary['device']} {summary['dtype']}"
              + (" batch-invariant" if summary.get("batch_invariant") else "")
+             + (f"; draft vocabulary {summary['draft_vocab']}" if summary.get("draft_vocab") else "")
              + (f"; HF generate(): {hf['tokens_per_second']:.1f} tok/s" if hf else ""))
-    out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup", "ideal", "distinct-4",
+    out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup", "ideal", "draft/verify", "distinct-4",
                          "same as AR"], rows, title=title)]
     for name, r in summary["results"].items():
         if name == "ar":

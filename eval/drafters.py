@@ -80,32 +80,76 @@ class Autoregressive(Drafter):
         return Proposal(tokens=state.tokens.new_zeros(0))
 
 
+def check_draft_vocab(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """A ranked draft vocabulary: (N,) int64 target ids, ascending and distinct, within the verifier's
+    ``vocab_size``; None = the full vocabulary."""
+    if vocab is None:
+        return None
+    vocab = torch.as_tensor(vocab)
+    if vocab.dim() != 1 or vocab.dtype != torch.int64 or vocab.numel() < 1:
+        raise SpectrainError(f"a draft vocabulary is a 1-D int64 tensor of target ids, got {vocab.dtype} "
+                             f"{tuple(vocab.shape)}")
+    if int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size or bool((vocab.diff() <= 0).any()):
+        raise SpectrainError(f"draft vocabulary ids must be ascending, distinct and below {vocab_size}")
+    return vocab
+
+
 class MedusaDrafter(Drafter):
-    """Medusa heads: node at depth d with rank r takes head d's r-th most likely token."""
+    """Medusa heads: node at depth d with rank r takes head d's r-th most likely token.
+
+    ``vocab`` (N,) target ids: every head drafts over those N rows only (their weights gathered once, here),
+    so a round costs K x N x H multiply-accumulates instead of K x V x H; the verifier still checks the full
+    vocabulary, so outputs are unchanged (a token outside the rows is never drafted, it is only not proposed).
+    """
 
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, verifier_lm_head, tree: Tree):
+    def __init__(self, heads: MedusaHeads, verifier_lm_head, tree: Tree, vocab: torch.Tensor | None = None):
         if tree.max_depth > heads.config.num_heads:
             raise SpectrainError(f"the tree is {tree.max_depth} deep but there are only {heads.config.num_heads} "
                                  "Medusa heads")
         super().__init__(tree)
-        self.heads, self.lm_head = heads.to(verifier_lm_head.weight.device, verifier_lm_head.weight.dtype), verifier_lm_head
+        weight = verifier_lm_head.weight
+        self.heads, self.lm_head = heads.to(weight.device, weight.dtype), verifier_lm_head
         self.max_rank = int(tree.rank.max()) + 1 if tree.size else 1
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # (head, rank) per node, on the device
+        vocab = check_draft_vocab(vocab, weight.shape[0])
+        self.vocab = None if vocab is None else vocab.to(weight.device)
+        self._ranked = None if vocab is None else self._gather(self.vocab)
+
+    def _gather(self, vocab: torch.Tensor):
+        """The heads' vocabulary rows at ``vocab``: one (N, H) weight when every head shares the verifier's
+        ``lm_head``, else (K, N, H); biases (N,) / (K, N) or None. Frozen: copied once per drafter."""
+        params = [self.heads.lm_head_params(k, self.lm_head) for k in range(self.heads.config.num_heads)]
+        if self.heads.lm_heads is None:
+            weight, bias = params[0]
+            return weight[vocab], None if bias is None else bias[vocab]
+        weights = torch.stack([w[vocab] for w, _ in params])
+        biases = None if params[0][1] is None else torch.stack([b[vocab] for _, b in params])
+        return weights, biases
 
     def _logits_many(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (K, ..., V) fp32 head logits."""
+        """(..., H) -> (K, ..., V) fp32 head logits over the full vocabulary (calibration)."""
         return self.heads(hidden.to(self.lm_head.weight.dtype), self.lm_head).float()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._logits_many(hidden[None])[:, 0]
+        """(H,) -> (K, N) head logits over the draft vocabulary (N = V without one)."""
+        if self._ranked is None:
+            return self._logits_many(hidden[None])[:, 0]
+        weight, bias = self._ranked
+        states = torch.cat(self.heads.head_states(hidden[None].to(weight.dtype)))  # (K, H)
+        if weight.dim() == 2:  # a shared head: all K heads in one (K, H) x (H, N) product
+            return torch.nn.functional.linear(states, weight, bias).float()
+        logits = torch.bmm(weight, states[:, :, None])[:, :, 0]  # (K, N)
+        return (logits if bias is None else logits + bias).float()
 
     def propose(self, state: DraftState) -> Proposal:
         if self.tree.size == 0:
             return Proposal(tokens=state.tokens.new_zeros(0))
-        logits = self._logits(state.hidden)  # (K, V)
+        logits = self._logits(state.hidden)  # (K, N)
         top = logits.topk(self.max_rank, dim=-1).indices  # (K, R)
+        if self.vocab is not None:
+            top = self.vocab[top]
         if self._index is None or self._index[0].device != top.device:  # once: no host-to-device copy per round
             self._index = (self.tree.depth.to(top.device) - 1, self.tree.rank.to(top.device))
         return Proposal(tokens=top[self._index])
@@ -200,8 +244,9 @@ class HybridDrafter(Drafter):
     def __init__(self, learned: Drafter, k: int, merge: bool, max_ngram: int = MAX_NGRAM, min_match: int = 2,
                  min_match_sampled: int = 4):
         check_min_match(min_match, min_match_sampled, max_ngram)
-        if not isinstance(learned, (MedusaDrafter, EagleChainDrafter)):
-            raise SpectrainError(f"hybrid drafting takes a Medusa or EAGLE drafter, not {learned.name}")
+        if not isinstance(learned, Drafter) or isinstance(learned, (HybridDrafter, Autoregressive, NgramDrafter)):
+            raise SpectrainError(f"hybrid drafting takes a learned drafter (any registered family), not "
+                                 f"{getattr(learned, 'name', type(learned).__name__)}")
         if not merge and learned.tree.size != k:
             raise SpectrainError(f"a hybrid chain of {k} needs a learned chain of {k}, got {learned.tree.size} nodes")
         super().__init__(learned.tree)
@@ -308,7 +353,8 @@ def truncated_verifier(model, num_layers: int):
     return draft.to(param.device).eval().requires_grad_(False)
 
 
-def grow_dynamic_tree(root_logp: torch.Tensor, depth_cap: int, topk: int, budget: int, expand) -> Proposal:
+def grow_dynamic_tree(root_logp: torch.Tensor, depth_cap: int, topk: int, budget: int, expand,
+                      vocab: torch.Tensor | None = None) -> Proposal:
     """An EAGLE-2 dynamic tree, built on the device (no host read).
 
     The root's ``topk`` best tokens start it; at each of ``depth_cap - 1`` levels the ``topk`` best frontier
@@ -317,27 +363,33 @@ def grow_dynamic_tree(root_logp: torch.Tensor, depth_cap: int, topk: int, budget
     at ``depth``, ``parents`` their rows in the previous pass (None at depth 1), and ``ancestors`` (topk,
     (depth - 1) * topk) which earlier passes' rows each descends from. Then the ``budget`` best nodes are kept
     (ties: the shallower first; a child never scores above its parent, so the kept set is a tree).
+    ``vocab`` (N,): the log-probabilities are over a ranked draft vocabulary, column i = target id vocab[i].
     """
     device = root_logp.device
+
+    def target(ids):
+        return ids if vocab is None else vocab[ids]
+
     top = root_logp.topk(topk)
     ranks = torch.arange(topk, device=device)
-    tokens, scores = [top.indices], [top.values]
+    tokens, scores = [target(top.indices)], [top.values]
     parents = [torch.full((topk,), -1, device=device)]
     depths = [torch.ones(topk, dtype=torch.long, device=device)]
-    frontier, frontier_scores, frontier_tokens = ranks, top.values, top.indices  # pool ids, best first
+    frontier, frontier_scores, frontier_tokens = ranks, top.values, tokens[0]  # pool ids, best first
     by_parent, seen = None, torch.zeros(topk, 0, dtype=torch.bool, device=device)
     own = torch.eye(topk, dtype=torch.bool, device=device)
     size = topk
     for depth in range(1, depth_cap):
         child = expand(depth, frontier_tokens, by_parent, seen).topk(topk)  # each frontier node's best children
         child_scores = (frontier_scores[:, None] + child.values).flatten()
-        tokens.append(child.indices.flatten())
+        child_tokens = target(child.indices.flatten())
+        tokens.append(child_tokens)
         scores.append(child_scores)
         parents.append(frontier.repeat_interleave(topk))
         depths.append(torch.full((topk * topk,), depth + 1, device=device))
         pick = child_scores.topk(topk).indices  # the next frontier, among this level's children
         by_parent = pick // topk
-        frontier, frontier_scores, frontier_tokens = size + pick, child_scores[pick], child.indices.flatten()[pick]
+        frontier, frontier_scores, frontier_tokens = size + pick, child_scores[pick], child_tokens[pick]
         seen = torch.cat([seen, own], 1)[by_parent]  # a child descends from its parent's ancestors and its parent
         size += topk * topk
     tokens, scores, parent, depth = (torch.cat(x) for x in (tokens, scores, parents, depths))
@@ -411,16 +463,36 @@ class EagleChainDrafter(Drafter):
     The cache holds one entry per committed position t: the drafter's pass over (x_{t+1}, features_t). Draft
     steps feed the drafter's own output back (EAGLE-1: as the next feature; EAGLE-3: as the hidden input), and
     their cache entries are dropped after the round: the verifier's true features replace them.
+
+    Draft steps score the drafter's own vocabulary (N columns, column i = target id ``draft_ids[i]``): EAGLE-3's
+    trained draft vocabulary, or for EAGLE-1 the verifier ``lm_head``'s rows at ``vocab`` (N,) target ids,
+    gathered once here (None: all V rows). Tokens are mapped to target ids; sampled drafts' p is scattered into
+    the full vocabulary (zero outside the N rows), so acceptance stays lossless.
     """
 
     name = "eagle"
     wants_features = True
 
-    def __init__(self, drafter, verifier_model, k: int):
+    def __init__(self, drafter, verifier_model, k: int, vocab: torch.Tensor | None = None):
         super().__init__(Tree.chain(k))
         self.drafter, self.k = drafter, k
         self.embed = verifier_model.get_input_embeddings()
         self.lm_head = verifier_model.get_output_embeddings()
+        self.vocab_size = drafter.config.vocab_size
+        vocab = check_draft_vocab(vocab, self.vocab_size)
+        if drafter.is_eagle3 and vocab is not None:
+            raise SpectrainError("an EAGLE-3 drafter drafts over the draft vocabulary it was trained with "
+                                 f"({drafter.config.draft_vocab_size} tokens): --draft_vocab is for Medusa and EAGLE-1")
+        device = self.lm_head.weight.device
+        if drafter.is_eagle3:
+            self.draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))
+            self._head = None
+        elif vocab is not None:
+            self.draft_ids = vocab.to(device)
+            bias = getattr(self.lm_head, "bias", None)
+            self._head = (self.lm_head.weight[self.draft_ids], None if bias is None else bias[self.draft_ids])
+        else:
+            self.draft_ids, self._head = None, None
         from spectrain.heads.eagle import check_aux_layer_order  # the one layer-order rule (EagleConfig's)
 
         aux = tuple(check_aux_layer_order(drafter.config.aux_layer_ids or (), "the EAGLE-3 drafter's aux_layer_ids"))
@@ -431,12 +503,21 @@ class EagleChainDrafter(Drafter):
         self.past = None
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        """(n, h) -> (n, V) over the verifier's vocabulary (EAGLE-3: draft ids mapped through d2t, -inf elsewhere)."""
-        logits = self.drafter.logits(out, self.lm_head).float()
-        if not self.drafter.is_eagle3:
-            return logits
-        full = logits.new_full((logits.shape[0], self.drafter.config.vocab_size), float("-inf"))
-        return full.index_copy(1, self.drafter.draft_to_target(torch.arange(logits.shape[1], device=logits.device)), logits)
+        """(n, h) -> (n, N) fp32 logits over the drafter's own vocabulary (``draft_ids``; all V when None)."""
+        if self._head is None:
+            return self.drafter.logits(out, self.lm_head).float()
+        weight, bias = self._head
+        return torch.nn.functional.linear(out.to(weight.dtype), weight, bias).float()
+
+    def _target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary columns -> the verifier's token ids."""
+        return ids if self.draft_ids is None else self.draft_ids[ids]
+
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        """(N,) draft probabilities -> (V,), zero outside the draft vocabulary."""
+        if self.draft_ids is None:
+            return p
+        return p.new_zeros(self.vocab_size).index_copy(0, self.draft_ids, p)
 
     def _step(self, ids, features, hidden_input: bool):
         past_len = 0 if self.past is None else self.past[0].shape[2]
@@ -453,15 +534,18 @@ class EagleChainDrafter(Drafter):
         tokens, probs = [], []
         last = out[-1:]
         for i in range(self.k):
-            logits = self._logits(last)[0]
-            p = target_probs(logits, state.sampling)
-            token = logits.argmax() if state.sampling.greedy else sample(p[None], state.generator)[0]
+            logits = self._logits(last)[0]  # (N,)
+            if state.sampling.greedy:
+                token = self._target(logits.argmax())
+            else:
+                p = target_probs(logits, state.sampling)
+                token = self._target(sample(p[None], state.generator)[0])
+                probs.append(self._full(p))
             tokens.append(token)
-            probs.append(p)
             if i + 1 < self.k:
                 last = self._step(token[None], last, hidden_input=True)
         self.past = committed  # drop the draft steps' entries
-        return Proposal(tokens=torch.stack(tokens), probs=None if state.sampling.greedy else torch.stack(probs))
+        return Proposal(tokens=torch.stack(tokens), probs=torch.stack(probs) if probs else None)
 
 
 class EagleTreeDrafter(EagleChainDrafter):
@@ -474,11 +558,12 @@ class EagleTreeDrafter(EagleChainDrafter):
 
     name = "eagle-tree"
 
-    def __init__(self, drafter, verifier_model, tree: Tree | None = None, dynamic: tuple[int, int, int] | None = None):
+    def __init__(self, drafter, verifier_model, tree: Tree | None = None, dynamic: tuple[int, int, int] | None = None,
+                 vocab: torch.Tensor | None = None):
         if (tree is None) == (dynamic is None):
             raise SpectrainError("give either a static tree or dynamic=(depth, topk, budget)")
         depth = tree.max_depth if tree is not None else dynamic[0]
-        super().__init__(drafter, verifier_model, depth)
+        super().__init__(drafter, verifier_model, depth, vocab=vocab)
         self.static, self.dynamic = tree, dynamic
         self.tree = tree if tree is not None else Tree.chain(min(dynamic[0], dynamic[2]))
 
@@ -489,7 +574,7 @@ class EagleTreeDrafter(EagleChainDrafter):
     def _run_frontier(self, tokens, parent_out, depth: int, base: int, mask: torch.Tensor, scratch):
         """One drafter pass over m frontier nodes at ``depth``: each sees the (m, past + m) ``mask`` row over the
         committed cache, the scratch entries of earlier depths and this pass. Returns their outputs (m, h),
-        log-probs (m, V) and the scratch K/V with theirs appended."""
+        log-probs (m, N) over the draft vocabulary and the scratch K/V with theirs appended."""
         k_all, v_all = scratch
         positions = torch.full((1, tokens.shape[0]), base + depth - 1, device=tokens.device)
         out, (k, v) = self.drafter.forward_hidden(tokens[None], parent_out[None], self.embed, position_ids=positions,
@@ -527,7 +612,7 @@ class EagleTreeDrafter(EagleChainDrafter):
         max_rank = int(tree.rank.max()) + 1
         tokens = torch.zeros(tree.size, dtype=torch.long, device=root_logp.device)
         slot = {}
-        parent_top = {-1: root_logp.topk(max_rank).indices}
+        parent_top = {-1: self._target(root_logp.topk(max_rank).indices)}
         parent_out = {-1: root_out}
         scratch = self.past
         for depth in range(1, tree.max_depth + 1):
@@ -545,7 +630,7 @@ class EagleTreeDrafter(EagleChainDrafter):
             for j, i in enumerate(expand):
                 slot[i] = start + j
                 parent_out[i] = out[j]
-                parent_top[i] = logp[j].topk(max_rank).indices
+                parent_top[i] = self._target(logp[j].topk(max_rank).indices)
         return tokens
 
     def static_parent(self, i: int) -> int:
@@ -573,4 +658,4 @@ class EagleTreeDrafter(EagleChainDrafter):
             run["out"], logp, run["scratch"] = self._run_frontier(tokens, parent_out, depth, base, mask, run["scratch"])
             return logp
 
-        return grow_dynamic_tree(root_logp, depth_cap, topk, budget, expand)
+        return grow_dynamic_tree(root_logp, depth_cap, topk, budget, expand, vocab=self.draft_ids)

@@ -16,26 +16,36 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.formats import import_drafter
-from spectrain.heads.medusa import MedusaHeads
-from spectrain.heads.verifier import Verifier, max_context
+from spectrain.heads.families import families, family_named, family_of
+from spectrain.heads.formats import import_drafter, recorded_verifier
+from spectrain.heads.verifier import Verifier, match_verifier, max_context
+from spectrain.heads.vocab import load_ranking
 
 from . import metrics
 from .accept import Sampling
 from .calibrate import medusa_diagnostics
 from .costs import draft_cost, plan, probe_state, verify_cost
 from .decode import Trace, generate
-from .drafters import (Autoregressive, Drafter, DynamicTreeDrafter, EagleChainDrafter, EagleTreeDrafter,
-                       HybridDrafter, MedusaDrafter, ModelDrafter, NgramDrafter, check_min_match, truncated_verifier)
+from .drafters import (Autoregressive, Drafter, DynamicTreeDrafter, HybridDrafter, MedusaDrafter, ModelDrafter,
+                       NgramDrafter, check_min_match, truncated_verifier)
+from .families import evaluator_of, learned_drafter, learned_methods
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree, expected_accept_length
 
-METHODS = ("medusa", "eagle", "ngram", "hybrid", "draft-model", "truncated", "none")
+OTHER_METHODS = ("ngram", "hybrid", "draft-model", "truncated", "none")  # besides one per drafter family
+
+
+def methods() -> tuple[str, ...]:
+    """Every ``method``: each registered drafter family's (``medusa``, ``eagle``, ...), then the others."""
+    return learned_methods() + OTHER_METHODS
+
+
 PLANNER_TREES = (4, 8, 16, 32, 64)  # the Medusa planner's tree sizes
 
 
@@ -68,8 +78,8 @@ class Settings:
         return int(self.tree[5:]) if self.tree and self.tree.startswith("auto:") else None
 
     def check(self) -> None:
-        if self.method not in METHODS:
-            raise SpectrainError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method not in methods():
+            raise SpectrainError(f"method must be one of {', '.join(methods())}, got {self.method!r}")
         if self.k < 0:
             raise SpectrainError(f"k must be >= 0, got {self.k}")
         if self.max_new_tokens < 1:
@@ -95,6 +105,7 @@ class EvalResult:
     dtype: str
     batch_invariant: bool
     sampling: dict
+    draft_vocab: int | None
     num_prompts: int
     max_new_tokens: int
     chat_template: bool
@@ -118,29 +129,66 @@ class EvalResult:
 def load_drafter(path: str, verifier: Verifier, method: str | None = None, allow_mismatch: bool = False):
     """Any drafter (a run dir or an export in any format) on the verifier's device and dtype, in eval mode.
 
-    ``method`` ``"medusa"`` / ``"eagle"`` refuses the other kind; the drafter's recorded verifier name must be
-    the verifier's unless ``allow_mismatch`` (sizes are always checked)."""
+    ``method`` ``"medusa"`` / ``"eagle"`` refuses the other kind. The drafter's recorded verifier is matched by
+    signature, not by name (:func:`~spectrain.heads.verifier.match_verifier`: architecture, model type, vocabulary,
+    width, depth, tokenizer, whichever both sides record): a differing field is refused unless ``allow_mismatch``;
+    another name with an agreeing signature loads, with a warning (also kept as ``drafter.verifier_note``). Sizes
+    are always checked."""
     if not path:
         raise SpectrainError(f"--method {method} needs --drafter (a train_medusa / train_eagle run directory or "
                              "an export)")
     drafter = import_drafter(path, verifier_model=verifier.model)
-    recorded = drafter.config.verifier
-    if recorded and recorded != verifier.name and not allow_mismatch:
-        raise SpectrainError(f"drafter {path} was trained for verifier {recorded!r}, not {verifier.name!r}; "
-                             "pass --allow_verifier_mismatch if they are the same model")
-    if method == "medusa" and not isinstance(drafter, MedusaHeads):
-        raise SpectrainError(f"{path} holds an {drafter.config.variant} drafter: use --method eagle")
-    if method == "eagle" and isinstance(drafter, MedusaHeads):
-        raise SpectrainError(f"{path} holds Medusa heads: use --method medusa")
+    note = match_verifier(recorded_verifier(path), verifier, allow_mismatch, where=f"drafter {path}")
+    if note:
+        warnings.warn(note, stacklevel=2)
+    drafter.verifier_note = note
+    family = family_of(drafter)
+    if method in learned_methods() and method != family.name:
+        raise SpectrainError(f"{path} holds a {family.label} drafter: use --method {family.name}")
     param = next(verifier.model.parameters())
+    drafter.ranking = load_ranking(path)  # its training data's token counts (ranked draft heads), or None
     return drafter.to(param.device, param.dtype).eval()
 
 
+def resolve_draft_vocab(learned, draft_vocab: int | None, vocab_size: int) -> tuple[torch.Tensor | None, int | None]:
+    """The ranked draft vocabulary of ``learned`` (a Medusa / EAGLE module or None): ((N,) target ids or None for
+    the drafter's own head, the N it drafts over; None without a learned drafter). ``draft_vocab``: None = the
+    size it trained over (its ranking's default), 0 = full, N = the N most frequent of its training tokens."""
+    if learned is None:
+        if draft_vocab:
+            raise SpectrainError("--draft_vocab applies to a Medusa or EAGLE-1 drafter (medusa, eagle, hybrid)")
+        return None, None
+    if getattr(learned, "is_eagle3", False):
+        if draft_vocab is not None:
+            raise SpectrainError("an EAGLE-3 drafter drafts over the draft vocabulary it was trained with "
+                                 f"({learned.config.draft_vocab_size} tokens): --draft_vocab is for Medusa and EAGLE-1")
+        return None, learned.config.draft_vocab_size
+    ranking = getattr(learned, "ranking", None)
+    if ranking is not None and ranking.vocab_size != vocab_size:
+        raise SpectrainError(f"the drafter's vocab_ranking.json counts {ranking.vocab_size} tokens, the verifier "
+                             f"has {vocab_size}: it belongs to another verifier")
+    if draft_vocab is None:
+        ids = ranking.ids() if ranking is not None else None
+    elif draft_vocab == 0:
+        ids = None
+    else:
+        if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 0:
+            raise SpectrainError(f"--draft_vocab must be an integer >= 0 (0 = full), got {draft_vocab!r}")
+        if draft_vocab > vocab_size:
+            raise SpectrainError(f"--draft_vocab {draft_vocab} exceeds the verifier's vocabulary of {vocab_size}")
+        if ranking is None:
+            raise SpectrainError("--draft_vocab N needs the drafter's token counts (vocab_ranking.json beside its "
+                                 "weights, written by training); this drafter has none: use --draft_vocab 0, or "
+                                 "write one with spectrain-rank-vocab")
+        ids = ranking.ids(draft_vocab)
+    return ids, vocab_size if ids is None else ids.numel()
+
+
 def learned_kind(method: str, learned) -> str:
-    """The learned drafter's kind behind ``method`` (hybrid: whichever drafter it was given)."""
+    """The learned drafter's kind behind ``method`` (hybrid: the family of the drafter it was given)."""
     if method != "hybrid":
         return method
-    return "medusa" if isinstance(learned, MedusaHeads) else "eagle"
+    return family_of(learned).name
 
 
 def lookup_length(s: Settings, tree: Tree | None = None) -> int:
@@ -193,36 +241,37 @@ def make_trees(s: Settings, learned, calibration: dict | None) -> dict[str, Tree
         else:
             tree = Tree.load(s.tree)
             trees[f"tree-{tree.size}"] = tree
+    evaluator = evaluator_of(family_named(kind)) if kind in learned_methods() else None
     if s.dynamic_tree:
-        if kind not in ("draft-model", "truncated", "eagle"):
-            raise SpectrainError("--dynamic_tree needs a drafter that drafts autoregressively (eagle, draft-model, "
-                                 "truncated, or hybrid with an EAGLE drafter)")
+        if kind not in ("draft-model", "truncated") and not (evaluator and evaluator.dynamic_trees):
+            growing = [f.name for f in families() if evaluator_of(f).dynamic_trees]
+            raise SpectrainError(f"--dynamic_tree needs a drafter that drafts autoregressively "
+                                 f"({', '.join(growing)}, draft-model, truncated, or hybrid with a "
+                                 f"{' or '.join(growing)} drafter)")
         trees[dynamic_name(s.dynamic_tree)] = Tree.chain(s.dynamic_tree[0])
     if s.method != "none" and not trees:
         raise SpectrainError("nothing to evaluate: give --k > 0 and/or --tree")
+    depth = evaluator.max_depth(learned) if evaluator else None
     for name, tree in trees.items():
-        if kind == "medusa" and tree.max_depth > learned.config.num_heads:
-            raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter has "
-                                 f"{learned.config.num_heads} heads")
-        if s.method in ("ngram", "draft-model", "truncated") and not tree.is_chain and not name.startswith("dynamic"):
+        if depth is not None and tree.max_depth > depth:
+            raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter has {depth} heads")
+        static = not tree.is_chain and not name.startswith("dynamic")
+        if static and (s.method in ("ngram", "draft-model", "truncated") or (evaluator and not evaluator.static_trees)):
             raise SpectrainError(f"--method {s.method} drafts chains only; drop --tree")
     return trees
 
 
-def build_drafter(s: Settings, tree: Tree, model, learned, draft_model, max_len: int, name: str = "") -> Drafter:
-    """The drafter of one setting (``model``: the verifier's HF model; ``learned``: the learned drafter)."""
+def build_drafter(s: Settings, tree: Tree, model, learned, draft_model, max_len: int, name: str = "",
+                  vocab: torch.Tensor | None = None) -> Drafter:
+    """The drafter of one setting (``model``: the verifier's HF model; ``learned``: the learned drafter;
+    ``vocab``: its ranked draft vocabulary, (N,) target ids, or None for its own)."""
     if s.method == "hybrid":
-        return build_hybrid(s, tree, model, learned, name)
+        return build_hybrid(s, tree, model, learned, name, vocab)
+    if s.method in learned_methods():  # the family's own drafter (eval/families.py)
+        return learned_drafter(learned, model, tree, s.dynamic_tree if name.startswith("dynamic") else None, vocab)
     if name.startswith("dynamic"):
-        if s.method == "eagle":
-            return EagleTreeDrafter(learned, model, dynamic=s.dynamic_tree)
         small = truncated_verifier(model, s.draft_layers) if s.method == "truncated" else draft_model
         return DynamicTreeDrafter(small, *s.dynamic_tree, max_len)
-    if s.method == "medusa":
-        return MedusaDrafter(learned, model.get_output_embeddings(), tree)
-    if s.method == "eagle":
-        return (EagleChainDrafter(learned, model, tree.size) if tree.is_chain
-                else EagleTreeDrafter(learned, model, tree=tree))
     if s.method == "ngram":
         return NgramDrafter(tree.size)
     if s.method == "truncated":
@@ -232,7 +281,7 @@ def build_drafter(s: Settings, tree: Tree, model, learned, draft_model, max_len:
     return Autoregressive()
 
 
-def build_hybrid(s: Settings, tree: Tree, model, learned, name: str) -> HybridDrafter:
+def build_hybrid(s: Settings, tree: Tree, model, learned, name: str, vocab: torch.Tensor | None = None) -> HybridDrafter:
     """Prompt lookup + the learned drafter: a chain switches per round; a tree gains the lookup branch (a dynamic
     tree's budget keeps room for it, so the whole tree stays within the dynamic tree's budget)."""
     k = lookup_length(s, tree)
@@ -241,13 +290,9 @@ def build_hybrid(s: Settings, tree: Tree, model, learned, name: str) -> HybridDr
         depth, topk, budget = s.dynamic_tree
         if budget <= k:
             raise SpectrainError(f"--dynamic_tree budget {budget} leaves no room beside the lookup branch of {k}")
-        inner = EagleTreeDrafter(learned, model, dynamic=(depth, topk, budget - k))
+        inner = learned_drafter(learned, model, tree, (depth, topk, budget - k), vocab)
         return HybridDrafter(inner, k, merge=True, **options)
-    if isinstance(learned, MedusaHeads):
-        inner = MedusaDrafter(learned, model.get_output_embeddings(), tree)
-    else:
-        inner = (EagleChainDrafter(learned, model, tree.size) if tree.is_chain
-                 else EagleTreeDrafter(learned, model, tree=tree))
+    inner = learned_drafter(learned, model, tree, vocab=vocab)
     return HybridDrafter(inner, tree.size if tree.is_chain else k, merge=not tree.is_chain, **options)
 
 
@@ -436,7 +481,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, chat_template: bool | None = None,
                      compile: bool = False, hf_generate: int = 3, costs: bool = True,
                      reference: list[dict] | None = None, max_len: int | None = None, seed: int = 0,
-                     batch_invariant: bool | None = None) -> EvalResult:
+                     batch_invariant: bool | None = None, draft_vocab: int | None = None) -> EvalResult:
     """Decode ``prompts`` with AR and with every drafting setting the arguments name; measure τ, α, speed.
 
     Args:
@@ -466,6 +511,9 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         batch_invariant: decode so that each token's numbers do not depend on the forward's width
             (:class:`~.static_model.StaticCausalLM`); then low-precision chains equal AR token for token.
             None: on in bf16 / fp16 on a CPU, off on CUDA and in fp32.
+        draft_vocab: Medusa / EAGLE-1: draft over the N most frequent tokens of the drafter's training data
+            (its ``vocab_ranking.json``); 0 = the full vocabulary; None = the vocabulary it trained over (full
+            when it records none). Verification is always over the full vocabulary.
     """
     if method == "none":  # AR only: no chain, no costs to probe, nothing to plan
         k, costs = 0, False
@@ -474,16 +522,15 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, compile=compile,
                  seed=seed)
     s.check()
-    if method in ("medusa", "eagle", "hybrid") and drafter is None:
+    if (method in learned_methods() or method == "hybrid") and drafter is None:
         raise SpectrainError(f"method {method} needs a drafter")
     if method == "draft-model" and draft_model is None:
         raise SpectrainError("method draft-model needs a draft_model")
     if not prompts or not all(isinstance(p, (list, tuple)) and p and all(isinstance(t, str) for t in p)
                               for p in prompts):
         raise SpectrainError("prompts must be a non-empty list of prompts, each a non-empty list of user turns (str)")
-    if method in ("medusa", "eagle") and (method == "medusa") != isinstance(drafter, MedusaHeads):
-        raise SpectrainError(f"method {method} got a {type(drafter).__name__}: use method "
-                             f"{'eagle' if method == 'medusa' else 'medusa'}")
+    if method in learned_methods() and family_of(drafter).name != method:  # an unregistered drafter: refused
+        raise SpectrainError(f"method {method} got a {type(drafter).__name__}: use method {family_of(drafter).name}")
     if reference is not None and [len(r["turns"]) for r in reference] != [len(p) for p in prompts]:
         raise SpectrainError("reference holds AR records of other prompts (turn counts differ)")
     model, tokenizer = verifier.model, verifier.tokenizer
@@ -497,18 +544,22 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
     use_template = has_template if chat_template is None else chat_template
     if use_template and not has_template:
         raise SpectrainError("chat template on, but the verifier's tokenizer has no chat template")
-    kind = learned_kind(method, drafter)
+    vocab, vocab_size = resolve_draft_vocab(drafter if method in learned_methods() + ("hybrid",) else None,
+                                            draft_vocab, model.get_output_embeddings().weight.shape[0])
     if max_len is None:
         longest = max(len(encode_turn(tokenizer, [{"role": "user", "content": t}], use_template))
                       for p in prompts for t in p)
         max_len = min(context, max(len(p) for p in prompts) * (longest + max_new_tokens + 16) + 80)
-    eagle3_layers = tuple(drafter.config.aux_layer_ids) if kind == "eagle" and drafter.is_eagle3 else ()
+    # Verifier layers the drafter reads besides the last hidden state (EAGLE-3's fused layers).
+    eagle3_layers = (tuple(drafter.config.aux_layer_ids or ()) if getattr(drafter, "is_eagle3", False) else ())
+    rank_trees = drafter is not None and method in learned_methods() + ("hybrid",) and \
+        evaluator_of(family_of(drafter)).rank_trees
     runner = StaticCausalLM(model, max_len=max_len, device=device, static=True if compile else None,
                             batch_invariant=batch_invariant)
     compile_seconds = None
     if compile:  # every size compiled and warmed up here, before anything is timed
         runner.capture = eagle3_layers  # kept by every drafter's run: one set of graphs
-        planner_sizes = list(range(2, k + 2)) + ([1 + n for n in PLANNER_TREES] if kind == "medusa" else [])
+        planner_sizes = list(range(2, k + 2)) + ([1 + n for n in PLANNER_TREES] if rank_trees else [])
         compile_seconds = runner.compile(verify_sizes(s) + (planner_sizes if costs else []))
 
     t0 = time.time()
@@ -517,7 +568,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
     results = {"ar": summarize(ar_records, 0)}
     per_prompt = {"ar": ar_records}
     calibration = None
-    if kind == "medusa" and (costs or s.auto_nodes):
+    if rank_trees and (costs or s.auto_nodes):  # rank accuracies measured on AR's outputs (Medusa heads)
         probe = MedusaDrafter(drafter, model.get_output_embeddings(), Tree.chain(drafter.config.num_heads))
         seqs = [t["sequence"] for r in ar_records for t in r["turns"]]
         starts = [t["prompt_tokens"] for r in ar_records for t in r["turns"]]
@@ -532,12 +583,12 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         cost_table = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
     t_verify, t_draft = {}, {}
     for name, shape_tree in trees.items():
-        spec = build_drafter(s, shape_tree, model, drafter, draft_model, max_len, name)
+        spec = build_drafter(s, shape_tree, model, drafter, draft_model, max_len, name, vocab)
         records = run_prompts(runner, spec, prompts, tokenizer, use_template, s)
         # A hybrid's lookup branch reaches its own depth whatever the learned tree's depth.
         summary = summarize(records, max(shape_tree.max_depth, lookup_length(s, shape_tree)))
         same = identical_turns(ar_records, records)
-        summary.update(tree_size=spec.max_nodes, tree_paths=[list(p) for p in shape_tree.paths],
+        summary.update(tree_size=spec.max_nodes, tree_paths=[list(p) for p in shape_tree.paths], draft_vocab=vocab_size,
                        speedup=results["ar"]["decode_ms_per_token"] / max(summary["decode_ms_per_token"], 1e-9),
                        identical_turns=same,
                        identical_to_ar=sampling.greedy and same == sum(len(r["turns"]) for r in records))
@@ -552,7 +603,9 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
             tv, td = verify_cost(runner, verified, len(probe_prompt)), draft_cost(spec, state)
             summary["ideal_speedup"] = summary["tau"] * t_decode / (tv + td)
             summary["speedup_vs_ideal"] = summary["speedup"] / max(summary["ideal_speedup"], 1e-9)
-            cost_table["settings"][name] = {"t_verify_ms": 1000 * tv, "t_draft_ms": 1000 * td}
+            summary["draft_over_verify"] = td / max(tv, 1e-12)  # a round's drafting, in verify passes
+            cost_table["settings"][name] = {"t_verify_ms": 1000 * tv, "t_draft_ms": 1000 * td,
+                                            "draft_over_verify": td / max(tv, 1e-12)}
             if shape_tree.is_chain and not name.startswith("dynamic"):
                 t_verify[shape_tree.size], t_draft[shape_tree.size] = tv, td
         results[name] = summary
@@ -560,11 +613,11 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
     planner = None
     if costs:
         planner = plan_speedups(s, results, trees, runner, model, drafter, draft_model, max_len, calibration, state,
-                                t_decode, t_verify, t_draft, len(probe_prompt))
+                                t_decode, t_verify, t_draft, len(probe_prompt), vocab)
     hf = hf_generate_speed(model, tokenizer, prompts, use_template, s, hf_generate)
     return EvalResult(
         method=method, device=str(device), dtype=str(param.dtype).replace("torch.", ""), sampling=asdict(sampling),
-        batch_invariant=runner.batch_invariant,
+        batch_invariant=runner.batch_invariant, draft_vocab=vocab_size,
         num_prompts=len(prompts), max_new_tokens=max_new_tokens, chat_template=use_template, results=results,
         per_prompt=per_prompt, costs=cost_table if costs else None, planner=planner, calibration=calibration,
         hf_generate=hf, compile=None if compile_seconds is None else {"seconds": compile_seconds,
@@ -573,7 +626,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
 
 
 def plan_speedups(s: Settings, results: dict, trees: dict, runner, model, learned, draft_model, max_len: int,
-                  calibration, state, t_decode: float, t_verify: dict, t_draft: dict, context: int) -> dict | None:
+                  calibration, state, t_decode: float, t_verify: dict, t_draft: dict, context: int,
+                  vocab: torch.Tensor | None = None) -> dict | None:
     """Expected speedup of every chain length up to the measured depth (and, for Medusa, of trees of every size
     from the measured rank accuracies), from measured α and per-round costs."""
     chain = next((results[n] for n in trees if n.startswith("chain")), None)
@@ -583,8 +637,10 @@ def plan_speedups(s: Settings, results: dict, trees: dict, runner, model, learne
         for n in range(1, depth + 1):
             if n not in t_verify:
                 t_verify[n] = verify_cost(runner, Tree.chain(n), context)
-                t_draft[n] = (t_draft.get(depth, 0.0) if learned_kind(s.method, learned) == "medusa" else
-                              draft_cost(build_drafter(s, Tree.chain(n), model, learned, draft_model, max_len), state))
+                # Heads that draft every depth in one pass (rank-tree families) cost the same for any chain.
+                t_draft[n] = (t_draft.get(depth, 0.0) if calibration is not None else
+                              draft_cost(build_drafter(s, Tree.chain(n), model, learned, draft_model, max_len,
+                                                       vocab=vocab), state))
         planner = {"chains": plan(chain["alpha"], t_decode, t_verify, t_draft)}
         planner["best_chain"] = max(planner["chains"], key=lambda r: r["expected_speedup"], default=None)
         planner["measured_chain"] = {"n": s.k, "speedup": chain["speedup"]}

@@ -35,13 +35,14 @@ import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.io import read_json, sha256_files, write_json
-from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.families import family_of
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
 
 from . import metrics
 from .drafters import check_min_match
 from .evaluate import EvalResult, encode_turn, evaluate_drafter, load_drafter, summarize
+from .families import evaluator_of
 from .prompts import prompt_rows
 from .static_model import default_batch_invariant
 
@@ -246,11 +247,16 @@ def row_options(ctx: Context, row: dict, path: str) -> tuple[dict, dict]:
         return {"method": "ngram", "k": args.k}, {"tree": "chain", "nodes": args.k}
     hybrid = name.startswith("hybrid-")
     learned = ctx.drafter(name[len("hybrid-"):] if hybrid else name, path)
-    medusa = isinstance(learned, MedusaHeads)
-    if medusa and chain and learned.config.num_heads < args.k:
-        raise SpectrainError(f"drafter {name} has {learned.config.num_heads} Medusa heads; a chain of "
-                             f"{args.k} needs {args.k} (train with --model.num_heads {args.k} or lower --k)")
-    method = "hybrid" if hybrid else "medusa" if medusa else "eagle"
+    family = family_of(learned)  # a drafter of no registered family is refused, never labelled another's
+    evaluator = evaluator_of(family)
+    depth = evaluator.max_depth(learned)
+    if chain and depth is not None and depth < args.k:
+        raise SpectrainError(f"drafter {name} has {depth} {family.label} heads; a chain of {args.k} needs {args.k} "
+                             f"(train with --model.num_heads {args.k} or lower --k)")
+    if not chain and not (evaluator.dynamic_trees or evaluator.rank_trees):
+        raise SpectrainError(f"drafter {name}: {family.label} drafters grow neither dynamic trees nor trees from "
+                             "rank accuracies, so they have no tree rows: pass --tree_nodes 0")
+    method = "hybrid" if hybrid else family.name
     options = {"method": method, "drafter": learned, "temperature": row["temperature"]}
     if chain:
         options["k"] = args.k
@@ -258,14 +264,14 @@ def row_options(ctx: Context, row: dict, path: str) -> tuple[dict, dict]:
     else:
         reserve = args.k if hybrid else 0  # the lookup branch's nodes, within the same budget
         options.update(k=0, lookup=reserve)
-        if medusa:  # Medusa's tree: the most likely rank paths from the heads' rank accuracies on this set
-            options["tree"] = f"auto:{args.tree_nodes - reserve}"
-            definition = {"tree": "static, from rank accuracies on the verifier's greedy outputs of this set",
-                          "nodes": args.tree_nodes}
-        else:
+        if evaluator.dynamic_trees:  # EAGLE: an EAGLE-2 dynamic tree with the node budget
             options["dynamic_tree"] = (args.tree_depth, args.tree_topk, args.tree_nodes)
             definition = {"tree": "EAGLE-2 dynamic", "nodes": args.tree_nodes, "depth": args.tree_depth,
                           "topk": args.tree_topk}
+        else:  # Medusa: the most likely rank paths from the heads' rank accuracies on this set
+            options["tree"] = f"auto:{args.tree_nodes - reserve}"
+            definition = {"tree": "static, from rank accuracies on the verifier's greedy outputs of this set",
+                          "nodes": args.tree_nodes}
     if hybrid:
         definition = {**definition, "min_match": args.min_match, "min_match_sampled": args.min_match_sampled,
                       "tree": ("chain: prompt lookup when it matches, else " if chain else

@@ -11,6 +11,8 @@ Two variants, both for Llama-family verifiers (llama, mistral, qwen2, qwen3):
   ``cat(input_norm(embed(x_{t+1})), hidden_norm(g))`` (2h wide) with g as the residual; the output
   goes through the drafter's ``norm`` and its own ``lm_head`` over a reduced draft vocabulary whose ids
   map to the verifier's through ``d2t`` (target id = i + d2t[i]); ``t2d`` marks target ids in it.
+  vLLM speculators' variant (its training default) adds three norms, each a flag of :class:`EagleConfig`:
+  ``norm_before_fc``, ``norm_before_residual``, ``norm_output``.
 
 Alignment: ``input_ids[:, t]`` is the token *after* the position whose features are ``features[:, t]``
 (x_{t+1} with f_t); the caller shifts, this module never does (except in :meth:`EagleDrafter.ttt_forward`).
@@ -31,13 +33,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .errors import SpectrainError
+from .families import DrafterFamily, register_family
 from .io import load_tensors, read_json, save_tensors, write_json
+from .layers import (Attention, RMSNorm, SwiGLU, apply_rotary, causal_mask,  # noqa: F401  (re-exported)
+                     rotary_cos_sin)
 from .medusa import check_compatible
+from .vocab import build_vocab_map, check_vocab_map, most_frequent  # noqa: F401  (re-exported)
 
 FORMAT_VERSION = 1
 VARIANTS = ("eagle1", "eagle3")
 SUPPORTED_VERIFIERS = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_DRAFT_VOCAB = 32000
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "norm_output")  # eagle3 variants (EagleConfig)
 
 EmbedLike = nn.Module | Callable[[torch.Tensor], torch.Tensor] | torch.Tensor
 
@@ -100,6 +107,12 @@ class EagleConfig:
     ``rope_scaling`` records the verifier's ``rope_scaling`` / ``rope_parameters`` for exporters; this
     module itself always uses default RoPE with ``rope_theta`` (the drafter is trained from scratch, so
     it only has to agree with itself).
+
+    eagle3 variant flags (vLLM speculators' names and meaning, ``models/eagle3/core.py`` there; all False is
+    EAGLE-3 as published and our default, all True speculators' training default): ``norm_before_residual``
+    (the layer's residual is ``hidden_norm(g)``, not g), ``norm_before_fc`` (``input_norm``, one RMSNorm over
+    the concatenated aux states, before ``fc``) and ``norm_output`` (each draft step after the first reads the
+    *normed* output of the step before; the logits are ``lm_head(norm(out))`` either way).
     """
 
     variant: str = "eagle3"
@@ -116,6 +129,9 @@ class EagleConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
     verifier: str = ""
     method: str = ""
     format_version: int = FORMAT_VERSION
@@ -139,6 +155,17 @@ class EagleConfig:
                                  f"{self.rope_theta!r}")
         self._init_draft_vocab()
         self._init_aux_layers()
+        for flag in NORM_FLAGS:
+            if not isinstance(getattr(self, flag), bool):
+                raise SpectrainError(f"EAGLE {flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.variant == "eagle1" and self.norm_flags:
+            raise SpectrainError(f"{', '.join(self.norm_flags)}: EAGLE-3 variant flags (speculators'); eagle1 "
+                                 "drafters have none")
+
+    @property
+    def norm_flags(self) -> list[str]:
+        """The eagle3 variant flags that are on (:data:`NORM_FLAGS` order); [] = EAGLE-3 as published."""
+        return [flag for flag in NORM_FLAGS if getattr(self, flag)]
 
     def _init_draft_vocab(self) -> None:
         if self.draft_vocab_size is None:
@@ -179,8 +206,13 @@ class EagleConfig:
 
     @classmethod
     def for_verifier(cls, verifier_model, variant: str = "eagle3", draft_vocab_size: int | None = None,
-                     aux_layer_ids: list[int] | None = None, verifier_name: str = "") -> "EagleConfig":
-        """A config whose decoder layer is shaped like one of ``verifier_model``'s (HF causal LM)."""
+                     aux_layer_ids: list[int] | None = None, verifier_name: str = "",
+                     **norm_flags: bool) -> "EagleConfig":
+        """A config whose decoder layer is shaped like one of ``verifier_model``'s (HF causal LM);
+        ``norm_flags``: any of :data:`NORM_FLAGS` (eagle3 variants)."""
+        unknown = sorted(set(norm_flags) - set(NORM_FLAGS))
+        if unknown:
+            raise SpectrainError(f"unknown EAGLE options {unknown}; the variant flags are {list(NORM_FLAGS)}")
         vc = verifier_model.config
         if vc.model_type not in SUPPORTED_VERIFIERS:
             raise SpectrainError(f"EAGLE drafters support {', '.join(SUPPORTED_VERIFIERS)} verifiers, "
@@ -197,85 +229,18 @@ class EagleConfig:
             head_dim=getattr(vc, "head_dim", None) or hidden // heads, intermediate_size=vc.intermediate_size,
             rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-6)), rope_theta=float(theta),
             rope_scaling=dict(rope) if rope else None, max_position_embeddings=vc.max_position_embeddings,
-            verifier=verifier_name,
+            verifier=verifier_name, **norm_flags,
         )
 
 
 # -- the decoder layer --------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm: variance in fp32, then the weight multiplies the input-dtype result."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., h) -> (..., h)."""
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default RoPE tables for (B, T) positions -> cos, sin, each (B, 1, T, head_dim).
-
-    Frequencies are computed on the fly in fp32 rather than held in a buffer, so ``module.to(bf16)``
-    cannot round them and nothing RoPE-related enters the state dict.
-    """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # (B, T, d/2)
-    emb = torch.cat((angles, angles), dim=-1)[:, None]  # Llama's half-split layout
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """(B, heads, T, d) rotated by (B, 1, T, d) tables."""
-    return x * cos + _rotate_half(x) * sin
-
-
-class EagleAttention(nn.Module):
-    """Llama attention (no biases, GQA) over this call's keys plus optional cached ones."""
+class EagleAttention(Attention):
+    """:class:`~spectrain.heads.layers.Attention` shaped by an :class:`EagleConfig`, plus EAGLE's TTT steps."""
 
     recompute_ttt = True  # TTT steps >= 1 recompute their scores in backward instead of keeping them
 
     def __init__(self, in_width: int, config: EagleConfig):
-        super().__init__()
-        d = config.head_dim
-        self.head_dim = d
-        self.q_proj = nn.Linear(in_width, config.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(in_width, config.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(in_width, config.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * d, config.hidden_size, bias=False)
-
-    def _heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, in) -> (B, heads, T, d)."""
-        return proj(x).view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
-
-    def forward(self, x, cos, sin, mask, past_k=None, past_v=None):
-        """x (B, T, in); mask (B|1, 1, T, S) bool, True = may attend, S = past + T; None = causal without a past
-        (SDPA's ``is_causal``, which lets flash kernels skip the masked half instead of computing it).
-
-        Returns (out (B, T, h), k, v): k/v are this call's (B, kv_heads, T, d), k already rotated, so a
-        caller caches them by concatenating along dim 2.
-        """
-        q = apply_rotary(self._heads(self.q_proj, x), cos, sin)
-        k = apply_rotary(self._heads(self.k_proj, x), cos, sin)
-        v = self._heads(self.v_proj, x)
-        keys = k if past_k is None else torch.cat((past_k, k), dim=2)
-        values = v if past_v is None else torch.cat((past_v, v), dim=2)
-        if mask is None and past_k is not None:  # is_causal aligns top-left: only right for a square mask
-            mask = causal_mask(k.shape[2], keys.shape[2], x.device)[None, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=q.shape[1] != keys.shape[1])
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)), k, v
+        super().__init__(in_width, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim)
 
     def forward_ttt(self, x, cos, sin, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]):
         """A training-time-test step >= 1 without attending over every earlier step's whole sequence.
@@ -287,9 +252,7 @@ class EagleAttention(nn.Module):
         whatever the step. ``ttt_cache``: [(k, v) of step 0, of step 1, ...], each (B, kv_heads, T, d), rotated.
         Returns (out (B, T, h), k, v) like :meth:`forward`.
         """
-        q = apply_rotary(self._heads(self.q_proj, x), cos, sin)
-        k = apply_rotary(self._heads(self.k_proj, x), cos, sin)
-        v = self._heads(self.v_proj, x)
+        q, k, v = self.qkv(x, cos, sin)
         (k0, v0), later = ttt_cache[0], ttt_cache[1:] + [(k, v)]
         own_keys = torch.stack([kj for kj, _ in later], -2)  # (B, kv, T, steps, d)
         own_values = torch.stack([vj for _, vj in later], -2)
@@ -327,25 +290,13 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, own_keys:
     return out.reshape(B, heads, T, d)
 
 
-class SwiGLU(nn.Module):
-    """Llama MLP: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class EagleDecoderLayer(nn.Module):
     """A Llama decoder layer, with EAGLE's input changes (submodule names follow HF Llama's).
 
     eagle1: ``x`` is (B, T, h); no input norm (Identity), the residual is ``x``.
     eagle3: ``x`` is (B, T, 2h) = ``cat(embed, hidden)``; attention reads
-    ``cat(input_layernorm(embed), hidden_norm(hidden))`` (q/k/v take 2h inputs); the residual is ``hidden``.
+    ``cat(input_layernorm(embed), hidden_norm(hidden))`` (q/k/v take 2h inputs); the residual is ``hidden``
+    (``norm_before_residual``: ``hidden_norm(hidden)``, speculators' and vLLM's variant).
     Then, in both, ``x + mlp(post_attention_layernorm(x))``.
     """
 
@@ -354,6 +305,7 @@ class EagleDecoderLayer(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.hidden_size = h
         self.fused_input = config.variant == "eagle3"
+        self.norm_before_residual = config.norm_before_residual
         if self.fused_input:
             self.input_layernorm = RMSNorm(h, eps)
             self.hidden_norm = RMSNorm(h, eps)
@@ -371,7 +323,10 @@ class EagleDecoderLayer(nn.Module):
         """
         if self.fused_input:
             embed, residual = x.split(self.hidden_size, dim=-1)
-            attn_in = torch.cat((self.input_layernorm(embed), self.hidden_norm(residual)), dim=-1)
+            normed = self.hidden_norm(residual)
+            if self.norm_before_residual:
+                residual = normed
+            attn_in = torch.cat((self.input_layernorm(embed), normed), dim=-1)
         else:
             residual = attn_in = self.input_layernorm(x)
         if ttt_cache is not None:
@@ -382,12 +337,7 @@ class EagleDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
 
-# -- masks and the draft vocabulary -------------------------------------------------------------------------
-def causal_mask(T: int, S: int, device=None) -> torch.Tensor:
-    """(T, S) bool: query t (the last T of S positions) sees keys 0 .. S - T + t."""
-    return torch.arange(S, device=device)[None, :] <= (S - T) + torch.arange(T, device=device)[:, None]
-
-
+# -- TTT masks ----------------------------------------------------------------------------------------------------
 def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
     """(T, T * (step + 1)) bool mask of training-time-test step ``step`` over keys ordered step-major.
 
@@ -396,46 +346,6 @@ def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
     """
     blocks = [causal_mask(T, T, device)] + [torch.eye(T, dtype=torch.bool, device=device)] * step
     return torch.cat(blocks, dim=1)
-
-
-def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
-    """(n,) int64 ids of the n largest counts, ascending; equal counts go to the lower id (deterministic)."""
-    order = torch.sort(torch.as_tensor(token_counts).flatten().double(), descending=True, stable=True).indices
-    return order[:n].sort().values.to(torch.int64)
-
-
-def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft vocabulary: the ``draft_vocab_size`` most frequent tokens (ties: lower id first).
-
-    Args:
-        token_counts: (V,) occurrences of each verifier token id in the training data.
-    Returns:
-        d2t (D,) int64 with ``target_id = i + d2t[i]`` (draft ids sorted by target id), and
-        t2d (V,) bool, True for target ids in the draft vocabulary.
-    """
-    counts = torch.as_tensor(token_counts).flatten()
-    vocab = counts.numel()
-    _require_int("draft_vocab_size", draft_vocab_size)
-    if draft_vocab_size > vocab:
-        raise SpectrainError(f"draft_vocab_size {draft_vocab_size} exceeds the {vocab} token counts given")
-    chosen = most_frequent(counts, draft_vocab_size)
-    d2t = chosen - torch.arange(draft_vocab_size, dtype=torch.int64)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[chosen] = True
-    return d2t, t2d
-
-
-def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> None:
-    """Raise unless d2t/t2d describe ``draft_vocab_size`` distinct target ids, ascending, marked in t2d."""
-    if d2t.shape != (draft_vocab_size,) or d2t.dtype != torch.int64:
-        raise SpectrainError(f"d2t must be int64 of shape ({draft_vocab_size},), got {d2t.dtype} {tuple(d2t.shape)}")
-    if t2d.shape != (vocab_size,) or t2d.dtype != torch.bool:
-        raise SpectrainError(f"t2d must be bool of shape ({vocab_size},), got {t2d.dtype} {tuple(t2d.shape)}")
-    target = torch.arange(draft_vocab_size, device=d2t.device) + d2t
-    if target.min() < 0 or target.max() >= vocab_size or (target.diff() <= 0).any():
-        raise SpectrainError("d2t must map draft ids to ascending, distinct target ids in the verifier's vocabulary")
-    if int(t2d.sum()) != draft_vocab_size or not t2d[target.to(t2d.device)].all():
-        raise SpectrainError("t2d must mark exactly the target ids that d2t maps to")
 
 
 def _embed(embed_tokens: EmbedLike, input_ids: torch.Tensor) -> torch.Tensor:
@@ -459,13 +369,16 @@ class EagleDrafter(nn.Module):
     """An EAGLE-1 or EAGLE-3 drafter: ``fc`` + one :class:`EagleDecoderLayer` (+ eagle3's norm and lm_head).
 
     State dict: ``fc``, ``layer.*`` and, for eagle3, ``norm``, ``lm_head`` (D, h), ``d2t`` (D,) int64 and
-    ``t2d`` (V,) bool. The verifier's embeddings and lm_head are arguments, never attributes.
+    ``t2d`` (V,) bool (and ``input_norm`` (len(aux) * h,) with ``norm_before_fc``). The verifier's embeddings
+    and lm_head are arguments, never attributes.
     """
 
     def __init__(self, config: EagleConfig):
         super().__init__()
         self.config = config
         h = config.hidden_size
+        if config.norm_before_fc:  # speculators' name: one RMSNorm over all the concatenated aux states
+            self.input_norm = RMSNorm(config.fused_width, config.rms_norm_eps)
         self.fc = nn.Linear(config.fused_width, h, bias=False)
         self.layer = EagleDecoderLayer(config)
         if config.variant == "eagle3":
@@ -482,9 +395,11 @@ class EagleDrafter(nn.Module):
     @classmethod
     def for_verifier(cls, verifier_model, variant: str = "eagle3", draft_vocab_size: int | None = None,
                      aux_layer_ids: list[int] | None = None, token_counts: torch.Tensor | None = None,
-                     verifier_name: str = "") -> "EagleDrafter":
-        """A float32 drafter shaped for ``verifier_model``; eagle3's vocabulary map from ``token_counts`` (V,)."""
-        config = EagleConfig.for_verifier(verifier_model, variant, draft_vocab_size, aux_layer_ids, verifier_name)
+                     verifier_name: str = "", **norm_flags: bool) -> "EagleDrafter":
+        """A float32 drafter shaped for ``verifier_model``; eagle3's vocabulary map from ``token_counts`` (V,);
+        ``norm_flags``: eagle3 variant flags (:data:`NORM_FLAGS`)."""
+        config = EagleConfig.for_verifier(verifier_model, variant, draft_vocab_size, aux_layer_ids, verifier_name,
+                                          **norm_flags)
         drafter = cls(config).to(dtype=torch.float32)
         if token_counts is not None:
             drafter.set_vocab_map(*build_vocab_map(token_counts, config.draft_vocab_size))
@@ -580,7 +495,10 @@ class EagleDrafter(nn.Module):
             raise SpectrainError(f"eagle3 expects the {len(self.config.aux_layer_ids)} aux hidden states "
                                  f"{self.config.aux_layer_ids} concatenated ({self.config.fused_width} wide), "
                                  f"got width {aux.shape[-1]}")
-        return self.fc(aux.to(self.fc.weight.dtype))
+        aux = aux.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        return self.fc(aux)
 
     def forward(self, input_ids, features, embed_tokens: EmbedLike, position_ids=None, attn_mask=None,
                 past_kv=None):
@@ -599,14 +517,17 @@ class EagleDrafter(nn.Module):
             (B, kv_heads, T, head_dim), to append to a cache.
         """
         hidden = self.fuse(features) if self.is_eagle3 else features
-        return self.forward_hidden(input_ids, hidden, embed_tokens, position_ids, attn_mask, past_kv)
+        return self.forward_hidden(input_ids, hidden, embed_tokens, position_ids, attn_mask, past_kv, fed_back=False)
 
     def forward_hidden(self, input_ids, hidden, embed_tokens: EmbedLike, position_ids=None, attn_mask=None,
-                       past_kv=None, ttt_cache=None):
+                       past_kv=None, ttt_cache=None, fed_back: bool = True):
         """:meth:`forward` with an h-wide hidden input: eagle1's features, or eagle3's fused state.
 
-        eagle3 draft steps after the first feed the drafter's own previous output here (not fused aux).
-        Shapes as in :meth:`forward`, with ``hidden`` (B, T, h).
+        eagle3 draft steps after the first feed the drafter's own previous output here (not fused aux): with
+        ``norm_output`` its final norm is applied to that output first (speculators feed the normed state back;
+        the returned output stays pre-norm, so :meth:`logits` is the same whichever variant). ``fed_back=False``:
+        ``hidden`` is the fused state (:meth:`fuse`), taken as it is. Shapes as in :meth:`forward`, with
+        ``hidden`` (B, T, h).
         """
         B, T = input_ids.shape
         if hidden.shape != (B, T, self.config.hidden_size):
@@ -625,6 +546,8 @@ class EagleDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         embeds = _embed(embed_tokens, input_ids).to(dtype)
         hidden = hidden.to(dtype)
+        if fed_back and self.config.norm_output:
+            hidden = self.norm(hidden)
         x = torch.cat((embeds, hidden), -1) if self.is_eagle3 else self.fc(torch.cat((embeds, hidden), -1))
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
         out, k, v = self.layer(x, cos, sin, attn_mask, past_k, past_v, ttt_cache=ttt_cache)
@@ -647,7 +570,8 @@ class EagleDrafter(nn.Module):
         ``input_ids[:, t + i]`` (``pad_id`` past the end) and, as its hidden input, its own step-(i-1)
         output; it attends to the step-0 keys at positions <= t and to the keys of steps 1..i at position t
         (:func:`ttt_mask`). Rotary position at step i is t + i: the token position the step drafts at, as
-        at decode time (and as SpecForge does).
+        at decode time (and as SpecForge does). With ``norm_output`` the hidden input of step i >= 1 is the
+        normed step-(i-1) output (:meth:`forward_hidden`).
 
         Args:
             input_ids: (B, T) aligned as in :meth:`forward`; aux: (B, T, len(aux) * h).
@@ -662,7 +586,8 @@ class EagleDrafter(nn.Module):
         cache, outs = [], []
         for step in range(steps):  # step 0: causal attention; later steps: forward_ttt (same result as ttt_mask)
             hidden, kv = self.forward_hidden(_shift_left(input_ids, step, pad_id), hidden, embed_tokens,
-                                             position_ids=base + step, ttt_cache=cache if step else None)
+                                             position_ids=base + step, ttt_cache=cache if step else None,
+                                             fed_back=step > 0)
             cache.append(kv)
             outs.append(hidden)
         return outs
@@ -719,3 +644,9 @@ def _check_verifier(config: EagleConfig, verifier_model, where: str) -> None:
     if config.variant == "eagle3" and layers != config.num_hidden_layers:
         raise SpectrainError(f"drafter {where} fuses layers {config.aux_layer_ids} of a {config.num_hidden_layers}-layer "
                              f"verifier, but this verifier has {layers}: it belongs to another verifier")
+
+
+register_family(DrafterFamily(
+    name="eagle", methods=VARIANTS, drafter_class=EagleDrafter, config_class=EagleConfig, label="EAGLE",
+    formats="spectrain.heads.formats:EAGLE_FORMATS", train_module="spectrain.train.eagle:EagleModule",
+    evaluator="spectrain.eval.families:EAGLE"))

@@ -4,6 +4,10 @@ Each export is written to a temporary directory, checked against the engine load
 (every tensor name and shape, nothing missing or extra) and only then renamed into place; an existing
 output is kept unless ``--force``. Prints a table, writes ``<out>.json`` beside the export and prints
 its path last.
+
+Beside the weights an export carries the run's ``vocab_ranking.json`` (our evaluator's ranked draft heads),
+its ``verifier_signature.json`` (the verifier matched by what it is, not by name) and, for ``eagle-sglang`` with a
+ranked vocabulary, ``token_map.pt``: SGLang's ``--speculative-token-map``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from .formats import (FORMATS, check_format_for, expected_tensors, export_drafte
 from .io import read_json
 from .medusa import check_compatible
 from .report import finish, format_table
-from .verifier import load_verifier, resolve_dtype
+from .verifier import load_verifier, load_verifier_signature, resolve_dtype, verifier_identity
+from .vocab import load_ranking
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,14 +56,18 @@ def run(args: argparse.Namespace) -> Path:
     if args.speculative_tokens is not None and args.speculative_tokens < 1:
         raise SpectrainError(f"--speculative_tokens must be >= 1, got {args.speculative_tokens}")
     verifier_lm_head = None
-    if method == "medusa" and drafter.config.shared_lm_head:
+    ranking = load_ranking(args.drafter)  # vocab_ranking.json beside the weights, or None (an older run)
+    signature = load_verifier_signature(args.drafter)
+    if getattr(drafter.config, "shared_lm_head", False):  # heads that project through the verifier's lm_head
         name = args.verifier or drafter.config.verifier
         if not name:
             raise SpectrainError("these Medusa heads share the verifier's lm_head and no verifier is recorded: "
                                  "pass --verifier")
-        verifier = load_verifier(name, gguf_file=args.verifier_gguf_file, dtype="float32",
-                                 trust_remote_code=args.trust_remote_code).model
+        loaded = load_verifier(name, gguf_file=args.verifier_gguf_file, dtype="float32",
+                               trust_remote_code=args.trust_remote_code)
+        verifier = loaded.model
         verifier_lm_head = verifier.get_output_embeddings()
+        signature = signature or verifier_identity(verifier, loaded.tokenizer)  # loaded anyway: record it
         check_compatible(drafter.config.hidden_size, drafter.config.vocab_size, verifier, args.drafter)
     dtype = resolve_dtype(args.dtype) if args.dtype else None
     base = Path(args.drafter)
@@ -70,12 +79,16 @@ def run(args: argparse.Namespace) -> Path:
             out = (Path(args.out) if args.out else base / "export") / fmt
         fmt_notes: list[str] = []
         export_drafter(drafter, fmt, out, verifier_lm_head=verifier_lm_head, verifier_name=args.verifier_name or "",
-                       force=args.force, dtype=dtype, speculative_tokens=args.speculative_tokens, notes=fmt_notes)
+                       force=args.force, dtype=dtype, speculative_tokens=args.speculative_tokens, notes=fmt_notes,
+                       ranking=ranking, verifier_signature=signature)
         expected = expected_tensors(fmt, read_json(out / "config.json"))  # export_drafter validated them
         size = (out / weights_file(fmt)).stat().st_size
         rows.append([fmt, str(out), len(expected), f"{size / 2**20:.2f}"])
+        token_map = (read_json(out / "config.json").get("spectrain") or {}).get("token_map")
         records.append({"format": fmt, "engine": FORMATS[fmt], "path": str(out.resolve()), "tensors": len(expected),
-                        "bytes": size, "notes": fmt_notes})
+                        "bytes": size, "notes": fmt_notes,
+                        "token_map": None if token_map is None else {**token_map, "path": str((out / token_map["file"]).resolve())},
+                        "draft_vocab": None if ranking is None else ranking.default_size or drafter.config.vocab_size})
         notes += fmt_notes
     table = format_table(["format", "directory", "tensors", "MiB"], rows,
                          title=f"exported {method} drafter {args.drafter} (validated against each engine's loader)")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import SpectrainError
+from .families import DrafterFamily, register_family
 from .io import load_tensors, save_tensors, write_json
 
 FORMAT_VERSION = 1
@@ -167,3 +168,9 @@ def check_compatible(hidden_size: int, vocab_size: int, verifier_model, where: s
     if weight.shape[0] != vocab_size:
         raise SpectrainError(f"drafter {where} was trained for a vocabulary of {vocab_size}, but the verifier's is "
                              f"{weight.shape[0]}: it belongs to another verifier")
+
+
+register_family(DrafterFamily(
+    name="medusa", methods=("medusa",), drafter_class=MedusaHeads, config_class=MedusaConfig, label="Medusa",
+    formats="spectrain.heads.formats:MEDUSA_FORMATS", train_module="spectrain.train.medusa:MedusaModule",
+    evaluator="spectrain.eval.families:MEDUSA"))

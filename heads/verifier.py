@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .errors import SpectrainError
+from .io import read_json, write_json
 from .precision import resolve_dtype  # noqa: F401  (re-exported: callers import it from here)
 
 BUNDLED_PREFIX = "bundled:"
@@ -55,6 +56,110 @@ def verifier_signature(config) -> dict:
     """What a hidden-state store or a drafter must agree on with its verifier."""
     return {"model_type": config.model_type, "hidden_size": config.hidden_size,
             "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
+
+
+# -- a drafter's verifier, matched by what it is rather than by its name ----------------------------------------
+SIGNATURE_FILE = "verifier_signature.json"  # beside a drafter's weights (run dir, export), like vocab_ranking.json
+SIGNATURE_FIELDS = ("architecture", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "tokenizer")
+
+
+def tokenizer_fingerprint(tokenizer) -> str | None:
+    """A short hash of the tokenizer's vocabulary (every token -> id) and its special tokens, or None without one.
+
+    Two tokenizers with the same fingerprint map text to the same ids, whatever directory or hub id they came
+    from; that, not the name, is what a drafter trained on one needs of the other."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return None
+    import hashlib
+    import json
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []) or [])
+    blob = json.dumps([vocab, special], ensure_ascii=False, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()[:16]
+
+
+def verifier_identity(model, tokenizer=None) -> dict:
+    """The verifier's signature as a drafter records it: :data:`SIGNATURE_FIELDS` (``architecture`` = the first of
+    ``config.architectures``, None when the config lists none; vocabulary and width from its ``lm_head``)."""
+    config = model.config
+    head = model.get_output_embeddings()
+    vocab, hidden = head.weight.shape if head is not None else (config.vocab_size, config.hidden_size)
+    return {"architecture": (getattr(config, "architectures", None) or [None])[0], "model_type": config.model_type,
+            "vocab_size": int(vocab), "hidden_size": int(hidden), "num_hidden_layers": config.num_hidden_layers,
+            "tokenizer": tokenizer_fingerprint(tokenizer)}
+
+
+def signature_differences(recorded: dict, actual: dict) -> tuple[list[str], list[str]]:
+    """(differences, fields compared): each :data:`SIGNATURE_FIELDS` entry both sides record (not None) is
+    compared; a difference reads ``"vocab_size: drafter's verifier 49152, this one 32000"``."""
+    compared, differ = [], []
+    for field in SIGNATURE_FIELDS:
+        mine, theirs = recorded.get(field), actual.get(field)
+        if mine is None or theirs is None:
+            continue
+        compared.append(field)
+        if mine != theirs:
+            differ.append(f"{field}: drafter's verifier {mine!r}, this one {theirs!r}")
+    return differ, compared
+
+
+SIZE_FIELDS = ("vocab_size", "hidden_size")  # what every format records (and every import checks anyway)
+
+
+def match_verifier(recorded: dict, verifier: "Verifier", allow_mismatch: bool = False,
+                   where: str = "drafter") -> str | None:
+    """Check that the drafter's recorded verifier (``{"name", "signature"}``, e.g. :func:`~.formats.recorded_verifier`)
+    is ``verifier``: by signature, not by name. Returns a note to show the user (None when there is nothing to say).
+
+    * a field both sides record differs: refused, naming every differing field (``allow_mismatch``: loaded, with a
+      note saying what differs);
+    * the names differ but the signatures agree on more than the sizes (architecture, model type, depth or
+      tokenizer): loaded, with a note naming the fields compared;
+    * the names differ and only the sizes (which every import checks) were recorded: nothing shows it is the same
+      model, so refused unless ``allow_mismatch``.
+    """
+    mine = recorded.get("signature") or {}
+    name = recorded.get("name") or ""
+    tokenizer = verifier.tokenizer if mine.get("tokenizer") is not None else None  # hashed only when comparable
+    differ, compared = signature_differences(mine, verifier_identity(verifier.model, tokenizer))
+    if differ:
+        if allow_mismatch:
+            return (f"{where}: its verifier's signature differs from {verifier.name!r} ({'; '.join(differ)}); loaded "
+                    "anyway (--allow_verifier_mismatch)")
+        raise SpectrainError(f"{where} was trained for verifier {name or '(unnamed)'!r}, which is not "
+                             f"{verifier.name!r}: {'; '.join(differ)}; pass --allow_verifier_mismatch if it is the "
+                             "same model nonetheless")
+    if not name or name == verifier.name:
+        return None
+    if set(compared) <= set(SIZE_FIELDS):
+        if allow_mismatch:
+            return (f"{where} records verifier {name!r}, not {verifier.name!r}, and only its sizes; loaded anyway "
+                    "(--allow_verifier_mismatch)")
+        raise SpectrainError(f"{where} was trained for verifier {name!r}, not {verifier.name!r}, and records only "
+                             f"its sizes ({', '.join(compared)}), which agree: nothing shows they are the same model; "
+                             "pass --allow_verifier_mismatch if they are")
+    return (f"{where} records verifier {name!r}, not {verifier.name!r}; loaded because their signatures agree on "
+            f"{', '.join(compared)}")
+
+
+def save_verifier_signature(directory: str | Path, signature: dict, name: str = "") -> Path:
+    """Write ``verifier_signature.json`` (``{"name": ..., "signature": {...}}``) into ``directory``, atomically."""
+    path = Path(directory) / SIGNATURE_FILE
+    write_json(path, {"name": name, "signature": {k: signature.get(k) for k in SIGNATURE_FIELDS}})
+    return path
+
+
+def load_verifier_signature(directory: str | Path) -> dict | None:
+    """The signature :func:`save_verifier_signature` wrote into ``directory``, or None when there is none."""
+    path = Path(directory) / SIGNATURE_FILE
+    if not path.is_file():
+        return None
+    raw = read_json(path, "verifier signature")
+    signature = raw.get("signature") if isinstance(raw, dict) else None
+    if not isinstance(signature, dict):
+        raise SpectrainError(f"{path} is not a verifier signature (no 'signature' object)")
+    return {k: signature.get(k) for k in SIGNATURE_FIELDS}
 
 
 @dataclass

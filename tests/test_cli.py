@@ -74,7 +74,7 @@ def measured_by_decoding(run_dir: Path, data_path: Path, num_prompts: int, new_t
     from spectrain.eval.drafters import MedusaDrafter
     from spectrain.eval.static_model import StaticCausalLM
     from spectrain.eval.tree import Tree
-    from spectrain.train.base import measure_prompts_from
+    from spectrain.train.measure import measure_prompts_from
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     model_args = config["model"]["init_args"]

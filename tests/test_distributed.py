@@ -167,7 +167,7 @@ def test_under_fsdp_the_verifier_is_loaded_on_the_host_and_not_decoded(verifier_
     module._trainer = SimpleNamespace(world_size=1, global_rank=0, strategy=_GlooStrategy(),
                                       state=SimpleNamespace(fn="validate"), sanity_checking=False)
     module.log_dict = lambda *a, **k: None
-    module._prompts_from_batches, module._val_sums = True, {}
+    module.tau_meter.from_batches, module._val_sums = True, {}
     module.validation_step(_validation_batch(), 0)
     monkeypatch.setattr(module, "verifier_is_sharded", lambda: True)
     with pytest.warns(UserWarning, match="measured tau is skipped while the verifier is sharded"):
@@ -192,7 +192,10 @@ def test_fsdp_units_never_mix_frozen_and_trainable(verifier_factory):
         for unit in units:
             flags = {p.requires_grad for p in unit.parameters() if owner[id(p)] == id(unit)}
             assert len(flags) <= 1, f"unit {type(unit).__name__} mixes frozen and trainable parameters"
-        assert drafter_wrap_policy(module.drafter, recurse=False) and not drafter_wrap_policy(module.drafter, recurse=True)
+        # torch wraps a module only if it answers True to recurse=True too; its submodules then stay in its unit.
+        assert drafter_wrap_policy(module.drafter, recurse=True) and drafter_wrap_policy(module.drafter, recurse=False)
+        inside = {id(m) for m in module.drafter.modules() if m is not module.drafter}
+        assert not any(id(u) in inside for u in units)
 
 
 @pytest.mark.integration
@@ -320,7 +323,7 @@ def _validation_end(rank: int, world: int, verifier: str, batch: dict | None) ->
     module._trainer = SimpleNamespace(world_size=world, global_rank=rank, strategy=_GlooStrategy(),
                                       state=SimpleNamespace(fn="validate"), sanity_checking=False)
     module.log_dict = lambda *a, **k: None
-    module._prompts_from_batches, module._val_sums = True, {}  # bare dataloaders: prompts from the batches
+    module.tau_meter.from_batches, module._val_sums = True, {}  # bare dataloaders: prompts from the batches
     if batch is not None:
         module.validation_step(batch, 0)
     module.on_validation_epoch_end()

@@ -304,6 +304,40 @@ def link_problems(pages: dict[Path, str]) -> list[str]:
 # ------------------------------------------------------------------------------------------------ tests
 
 
+RANKED_TABLE_HEADER = "| drafter | draft vocab | setting | τ | draft/verify | speedup |"
+RANKED_COLUMNS = (("drafter", str), ("draft_vocab", int), ("setting", str), ("tau", 3), ("draft_over_verify", 3),
+                  ("speedup", 3), ("ideal_speedup", 3), ("identical_turns", str))
+
+
+def ranked_table_problems(page_text: str, data: dict) -> list[str]:
+    """evaluation.md's ranked-draft-heads table is draft_heads.json's ``rows``, in order, cell by cell."""
+    _, body = table_after(page_text, RANKED_TABLE_HEADER)
+    problems = [] if len(body) == len(data["rows"]) else [f"{len(body)} table rows, {len(data['rows'])} in the file"]
+    for cells, row in zip(body, data["rows"]):
+        for cell, (key, kind) in zip(cells, RANKED_COLUMNS):
+            want = f"{row[key]:.{kind}f}" if isinstance(kind, int) else str(row[key])  # kind: decimals, or a type
+            if cell != want:
+                problems.append(f"{row['drafter']} {row['draft_vocab']} {row['setting']}: {key} {cell} != {want}")
+    return problems
+
+
+def test_ranked_heads_table_equals_the_committed_file():
+    data = json.loads(read(RESULTS / "draft_heads.json"))
+    assert ranked_table_problems(read(DOCS / "evaluation.md"), data) == []
+
+
+def test_a_changed_ranked_heads_cell_is_caught():
+    data = json.loads(read(RESULTS / "draft_heads.json"))
+    text = read(DOCS / "evaluation.md")
+    row = data["rows"][2]
+    cell = f"| {row['tau']:.3f} | {row['draft_over_verify']:.3f} |"
+    assert cell in text
+    assert ranked_table_problems(text.replace(cell, f"| {row['tau'] + 0.1:.3f} | {row['draft_over_verify']:.3f} |", 1),
+                                 data)
+    data["rows"].pop()
+    assert ranked_table_problems(text, data)
+
+
 @pytest.mark.parametrize("page", ["README.md", "docs/smollm2.md"])
 def test_results_table_equals_the_committed_file(page, smollm2):
     assert results_table_problems(read(ROOT / page), smollm2) == []

@@ -128,10 +128,11 @@ def test_draft_cost_times_decode_rounds_not_a_prefill():
 
 def host_dynamic_tree(drafter, root_logp, root_out, base):
     """The EAGLE-2 tree as the drafter built it on the host before (Python lists, a read per level): the
-    reference the device-built tree must match, node for node."""
+    reference the device-built tree must match, node for node. Log-probabilities are over the drafter's own
+    vocabulary (EAGLE-3's draft vocabulary): columns map to target ids through ``drafter._target``."""
     depth_cap, topk, budget = drafter.dynamic
     top = root_logp.topk(topk)
-    tokens, scores = top.indices.tolist(), top.values.tolist()
+    tokens, scores = drafter._target(top.indices).tolist(), top.values.tolist()
     paths, parent = [(r,) for r in range(topk)], [-1] * topk
     outs, slot, frontier, scratch = {-1: root_out}, {}, list(range(topk)), drafter.past
     for depth in range(1, depth_cap):
@@ -152,7 +153,7 @@ def host_dynamic_tree(drafter, root_logp, root_out, base):
         for j, i in enumerate(frontier):
             slot[i], outs[i] = start + j, out[j]
             for r in range(topk):
-                tokens.append(int(child.indices[j, r]))
+                tokens.append(int(drafter._target(child.indices[j, r])))
                 scores.append(scores[i] + float(child.values[j, r]))
                 paths.append(paths[i] + (r,))
                 parent.append(i)

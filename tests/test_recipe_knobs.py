@@ -14,7 +14,7 @@ from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.eagle import EagleDrafter
 from spectrain.heads.errors import SpectrainError
-from spectrain.train.base import merge_rank_prompts
+from spectrain.train.measure import merge_rank_prompts
 from spectrain.train.eagle import EagleModule
 from spectrain.train.medusa import MedusaModule
 from tests.conftest import make_verifier
@@ -134,18 +134,20 @@ def test_measured_tau_is_the_evaluators_tau_on_the_validation_prompts(bigram_dir
         _eagle3_first_step_oracle(m, perm, noise=0.3)
     else:
         m.drafter.load_state_dict(oracle[method]().state_dict())
-    m._collect_prompts(_batch(ids, prompt=6))
-    m._measure_ids = merge_rank_prompts(m._own_prompts, 1, m.measure_prompts)  # one process: its own prompts
-    assert m._measure_ids == [row[:6] for row in ids[:2].tolist()]  # the first rows, cut before their targets
+    meter = m.tau_meter
+    meter.from_batches = True  # no datamodule: prompts from the validation batches
+    meter.collect(_batch(ids, prompt=6))
+    meter.prompts = merge_rank_prompts(meter.own, 1, meter.num_prompts)  # one process: its own prompts
+    assert meter.prompts == [row[:6] for row in ids[:2].tolist()]  # the first rows, cut before their targets
     rng = torch.get_rng_state()
-    got = m.measured_tau()
+    got = meter.measure(m)
     assert torch.equal(torch.get_rng_state(), rng)  # the training RNG streams are untouched
     # The same numbers straight from the evaluator.
     drafter = copy.deepcopy(m.drafter).eval()
     chain = (MedusaDrafter(drafter, m.verifier_lm_head, Tree.chain(3)) if method == "medusa"
              else EagleChainDrafter(drafter, m.verifier, 3))
     runner = StaticCausalLM(m.verifier, max_len=40)
-    outs = [generate(runner, chain, p, 12) for p in m._measure_ids]
+    outs = [generate(runner, chain, p, 12) for p in meter.prompts]
     accepts = [a for o in outs for a in o.accept_lengths]
     assert 0 < accepts.count(0) < len(accepts), "some drafts accepted, some rejected: tau and alpha_1 say something"
     assert got["tau_measured"] == pytest.approx(sum(sum(o.emitted_per_round) for o in outs) / len(accepts))

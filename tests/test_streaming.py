@@ -152,7 +152,7 @@ def test_validation_shares_are_equal_and_padded_without_targets(tmp_path, verifi
     waiting): rank r reads rows r, r + world, ...; where the rows run out, a copy without targets. A stream (an
     IterableDataset, whose inherited ``__getitem__`` raises) is dealt the same way, not indexed."""
     import spectrain.data.datamodule as datamodule
-    from spectrain.train.base import measure_prompts_from
+    from spectrain.train.measure import measure_prompts_from
 
     dm = DrafterDataModule(path=str(text_file), tokenizer=str(verifier_factory("llama", False)), block_size=16,
                            batch_size=2, streaming=streaming)

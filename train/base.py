@@ -8,11 +8,13 @@ fp32 RoPE tables stay fp32), the training vocabulary and the loss's recompute-or
 A drafter subclass implements ``build_drafter`` (the drafter module, built from the loaded verifier),
 ``drafter_loss`` (a batch's loss and parts to log), ``validation_counts`` and ``val_metrics`` (counts summed over
 the validation set and ranks, then metrics, ``tau_pred`` among them), ``summary_rows`` (the summary's per-head /
-per-step table), ``eval_drafter`` (the evaluator's chain drafter for measured tau) and ``export`` (the final
-drafter written into the run directory, called by ``train/cli.py``), and sets ``method_name``. It may override
-``feature_layer_ids`` (verifier layers it reads besides the last hidden state; default none), ``needs_greedy``
-(whether training steps read the verifier's greedy ids; default validation only), ``no_decay_params`` (weights
-kept out of weight decay) and ``setup`` (calling this one first).
+per-step table) and ``export`` (the final drafter written into the run directory, called by ``train/cli.py``), and
+sets ``method_name``; its drafter's family must be registered (:mod:`spectrain.heads.families`: measured τ,
+:class:`~.measure.TauMeter`, decodes with the family's evaluator). It may override ``feature_layer_ids`` (verifier
+layers it reads besides the last hidden state; default none), ``needs_greedy`` (whether training steps read the
+verifier's greedy ids; default validation only), ``no_decay_params`` (weights kept out of weight decay),
+``check_initial_drafter`` / ``checkpoint_record`` / ``check_checkpoint`` (family-specific checks of ``init_from``
+and of a resumed checkpoint) and ``setup`` (calling this one first).
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ from typing import Literal, Optional
 import lightning as L
 import torch
 
-from spectrain.data.loader import is_map_style
-from spectrain.heads.eagle import most_frequent
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.families import family_of
 from spectrain.heads.host_memory import keep_freed_memory
 from spectrain.heads.schedule import cosine_with_warmup
 from spectrain.heads.precision import cast_module, resolve_dtype
-from spectrain.heads.verifier import load_verifier, max_context, verifier_features, verifier_signature
+from spectrain.heads.verifier import (load_verifier, max_context, save_verifier_signature, verifier_features,
+                                      verifier_identity, verifier_signature)
+from spectrain.heads.vocab import most_frequent, save_ranking, token_counts
 
 from .losses import default_memory_budget, logits_bytes, projected_topk, sparse_teacher
+from .measure import TauMeter
 from .strategies import (clean_name, decay_names, drafter_class, full_state_dict, inside_forward, is_sharded,
                          unwrapped)
 
@@ -94,7 +98,7 @@ class DrafterModule(L.LightningModule):
         measure_prompts: at every validation, also decode this many fixed prompts (the first validation rows cut
             before their first target token) with our lossless speculative loop — a chain of ``measure_k`` drafts,
             T = 0, ``measure_new_tokens`` tokens each — and log the measured tau (``val/tau_measured``) beside the
-            predicted one. 0: off.
+            predicted one (:class:`~.measure.TauMeter`). 0: off.
         measure_k, measure_new_tokens: see ``measure_prompts``.
         init_from: start from a trained drafter instead of a fresh one: a spectrain run directory or an
             export in any ``spectrain-export`` format (vLLM, SGLang, TensorRT-LLM, speculators); its shape
@@ -136,13 +140,7 @@ class DrafterModule(L.LightningModule):
         if train_vocab_size is not None and train_vocab_size < 1:
             raise SpectrainError(f"model.train_vocab_size must be >= 1 (or null for the whole vocabulary), "
                                  f"got {train_vocab_size}")
-        if measure_prompts < 0 or measure_k < 1 or measure_new_tokens < 1:
-            raise SpectrainError(f"model.measure_prompts must be >= 0 and measure_k / measure_new_tokens >= 1, got "
-                                 f"{measure_prompts}, {measure_k}, {measure_new_tokens}")
-        self.measure_prompts, self.measure_k, self.measure_new_tokens = measure_prompts, measure_k, measure_new_tokens
-        self._measure_ids: list[list[int]] = []  # the same on every rank; each decodes its share of them
-        self._own_prompts: list[list[int]] = []  # this rank's, from its validation batches (bare dataloaders)
-        self._prompts_scanned = False  # the datamodule's validation set was searched once: never again
+        self.tau_meter = TauMeter(measure_prompts, measure_k, measure_new_tokens)
         self.curve: list[dict] = []  # one entry per validation: the learning curve in the run's summary
         self.loss_chunk_size, self.loss_recompute = loss_chunk_size, loss_recompute
         self.loss_memory_budget_gb = loss_memory_budget_gb
@@ -160,6 +158,7 @@ class DrafterModule(L.LightningModule):
         self.verifier = loaded.model
         self.tokenizer = loaded.tokenizer
         self.drafter = self.build_drafter()
+        self.family = family_of(self.drafter)  # a drafter of no registered family is refused here
         self._decaying = decay_names(self.drafter)  # before any strategy wraps (and flattens) it
         vocab = self.verifier_lm_head.weight.shape[0]
         if train_vocab_size is not None and train_vocab_size > vocab:
@@ -179,8 +178,6 @@ class DrafterModule(L.LightningModule):
         self.trained_tokens = 0  # over all ranks; this rank's tokens since the last sum wait in _tokens_pending
         self._tokens_pending: Optional[torch.Tensor] = None  # on the device: no host sync per step
         self._rank_seeded = False
-        self._warned_sharded = False
-        self._prompts_from_batches = False
         # Seconds spent training (optimizer steps, data, periodic resume checkpoints), validation excluded, summed
         # over resumes: the wall-clock axis on which drafters are compared at equal compute.
         self.train_seconds = 0.0
@@ -193,21 +190,35 @@ class DrafterModule(L.LightningModule):
         source = import_drafter(path, verifier_model=self.verifier)
         ours = self.drafter.state_dict()
         theirs = source.state_dict()
-        if type(source) is not type(self.drafter) or set(theirs) != set(ours) or getattr(
-                source.config, "variant", None) != getattr(self.drafter.config, "variant", None):
+        if type(source) is not type(self.drafter) or set(theirs) != set(ours) or (
+                source.config.method != self.drafter.config.method):
             raise SpectrainError(f"model.init_from {path} holds a drafter of another kind or shape than this run's "
-                                 f"({type(source).__name__} {getattr(source.config, 'variant', '')} with "
-                                 f"{len(theirs)} tensors vs {len(ours)}): match --model.* to it")
+                                 f"({type(source).__name__} {source.config.method} with {len(theirs)} tensors vs "
+                                 f"{len(ours)}): match --model.* to it")
         wrong = [k for k in ours if ours[k].shape != theirs[k].shape]
         if wrong:
             raise SpectrainError(f"model.init_from {path}: tensor shapes differ from this run's drafter: {wrong[:4]}")
-        fused = list(getattr(source.config, "aux_layer_ids", None) or [])
-        if fused != self.fused_layers():  # same fc shape, other layers: the weights would mean something else
-            raise SpectrainError(f"model.init_from {path} fuses verifier layers {fused}, this run's "
-                                 f"{self.fused_layers()}: pass --model.aux_layer_ids '{fused}'")
+        self.check_initial_drafter(source, path)
         self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
 
+    def check_initial_drafter(self, source: torch.nn.Module, path: str) -> None:
+        """Raise if ``source`` (``init_from``: same class, method, tensor names and shapes as this run's drafter)
+        still means something else to this run (EAGLE-3: other fused layers behind the same ``fc`` shape)."""
+
+    def checkpoint_record(self) -> dict:
+        """What a checkpoint records about the drafter besides its weights, for :meth:`check_checkpoint`."""
+        return {}
+
+    def check_checkpoint(self, saved: dict) -> None:
+        """Raise if a checkpoint (its ``"spectrain"`` record, :meth:`checkpoint_record` among it) cannot resume this
+        run although its weights have the right names (called before the shapes are compared)."""
+
     # -- subclass interface ---------------------------------------------------------------------------------
+    @classmethod
+    def method_for(cls, init_args) -> str:
+        """The method a recipe's ``init_args`` train, before the module is built (it names the run directory)."""
+        return cls.method_name
+
     def build_drafter(self) -> torch.nn.Module:
         raise NotImplementedError
 
@@ -231,6 +242,20 @@ class DrafterModule(L.LightningModule):
         """Write ``drafter`` (:meth:`plain_drafter`; the best checkpoint's weights where there is one) into ``out_dir``
         in our format; ``extra``: run facts (``trained_steps``) the format may record. Returns ``out_dir``."""
         raise NotImplementedError
+
+    def write_run_records(self, out_dir) -> None:
+        """Beside the exported drafter: the verifier's signature (``verifier_signature.json``: imports match the
+        verifier by it, not by name) and, where the training vocabulary was counted, ``vocab_ranking.json`` (the
+        token counts ranked draft heads read; its default size the vocabulary the loss projected onto)."""
+        save_verifier_signature(out_dir, verifier_identity(self.verifier, self.tokenizer), self.verifier_name)
+        counts = getattr(self, "vocab_counts", None)
+        if counts is not None and self.ranked_default_size() is not None:
+            save_ranking(out_dir, counts, self.ranked_default_size(),
+                         source="loss-masked tokens of the training rows")
+
+    def ranked_default_size(self) -> Optional[int]:
+        """The draft vocabulary a ranked head defaults to (None: this drafter writes no ranking)."""
+        return self.train_vocab_size or 0
 
     @staticmethod
     def chain_counts(hits: list[torch.Tensor], masks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -309,8 +334,10 @@ class DrafterModule(L.LightningModule):
 
     # -- training vocabulary and loss memory -------------------------------------------------------------------
     def set_train_vocab(self, rows) -> None:
-        """Choose the training vocabulary: the ``train_vocab_size`` most frequent loss-masked tokens of ``rows``."""
+        """Choose the training vocabulary: the ``train_vocab_size`` most frequent loss-masked tokens of ``rows``
+        (the counts are kept: the export writes them as the drafter's ``vocab_ranking.json``)."""
         counts = token_counts(rows, self.verifier_lm_head.weight.shape[0])
+        self.vocab_counts = counts
         top = most_frequent(counts, self.train_vocab_size)  # the same rule as EAGLE-3's draft vocabulary
         device = self.verifier_lm_head.weight.device
         self.train_rows = top.to(device)
@@ -397,10 +424,7 @@ class DrafterModule(L.LightningModule):
         self._store_layers = tuple(meta["layer_ids"])
 
     def on_fit_start(self) -> None:
-        if self.measure_prompts:  # fail now, not at the first validation, if our decoder cannot run this verifier
-            from spectrain.eval.static_model import StaticCausalLM
-
-            StaticCausalLM(self.verifier, max_len=8, device=self.verifier_lm_head.weight.device)
+        self.tau_meter.check_decoder(self.verifier)
         if self.device.type == "cpu":
             keep_freed_memory()  # else every step re-faults its vocabulary-sized buffers (host_memory.py)
         dtype = resolve_dtype(self.verifier_dtype, self.device)
@@ -461,18 +485,13 @@ class DrafterModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
         self.sync_trained_tokens()
-        data = getattr(self.trainer, "datamodule", None)
-        self._prompts_from_batches = data is None or getattr(data, "val_set", None) is None
-        if self.measure_prompts and not self._prompts_from_batches and not self._prompts_scanned:
-            self._measure_ids = measure_prompts_from(data.val_set, self.measure_prompts)
-            self._prompts_scanned = True  # a set with fewer usable prompts is not scanned again each validation
+        self.tau_meter.epoch_start(getattr(self.trainer, "datamodule", None))
 
     def on_train_end(self) -> None:
         self.sync_trained_tokens()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        if self._prompts_from_batches and len(self._own_prompts) < self.measure_prompts:
-            self._collect_prompts(batch)  # bare dataloaders, no datamodule: this rank's first rows
+        self.tau_meter.collect(batch)  # bare dataloaders, no datamodule: this rank's first rows
         features = self.features(batch)
         for key, value in inside_forward(self.drafter, lambda: self.validation_counts(batch, features)).items():
             value = value.detach().double()
@@ -482,19 +501,12 @@ class DrafterModule(L.LightningModule):
         # Every branch below is taken alike on every rank (what decides it is gathered first): a rank that skipped
         # a collective the others entered would hang them.
         world = self.trainer.world_size
-        if self._prompts_from_batches:
-            self._measure_ids = merge_rank_prompts(self._own_prompts, world, self.measure_prompts)
+        self.tau_meter.gather(world)
         sums = reduce_sums(self._val_sums, self.trainer.strategy, world, self.device)
         if not sums:
             return
         metrics = self.val_metrics(sums)
-        if self._measure_ids and self.verifier_is_sharded():
-            if not self._warned_sharded:  # our decoder runs the verifier's layers directly: not on shards
-                warnings.warn("measured tau is skipped while the verifier is sharded (FSDP); predicted tau and the "
-                              "validation counts are still computed. Measure the exported drafter with spectrain-eval")
-                self._warned_sharded = True
-        elif self._measure_ids:
-            metrics.update(self.measured_tau())
+        metrics.update(self.tau_meter.metrics(self))  # measured tau (none while the verifier is sharded)
         self.last_val_metrics = metrics
         if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:  # the learning curve (the final
             # validate() scores the best checkpoint; sanity checks see a few batches only)
@@ -506,45 +518,6 @@ class DrafterModule(L.LightningModule):
         # Runs after the checkpoint callbacks: neither the validation nor its checkpoint writes count as training.
         if self.trainer.state.fn == "fit":
             self._clock = time.perf_counter()
-
-    # -- measured tau: the real speculative loop on a few fixed prompts ------------------------------------------
-    def _collect_prompts(self, batch: dict) -> None:
-        """The prompts of a validation batch's rows (:func:`row_prompt`), up to ``measure_prompts``; rows without
-        targets (a rank's padding, :class:`~spectrain.data.loader.RankShare`) give none."""
-        for ids, loss, valid in zip(batch["input_ids"], batch["loss_mask"], batch["attention_mask"].bool()):
-            if not bool(loss[valid].any()):
-                continue
-            prompt = row_prompt(ids[valid], loss[valid])
-            if prompt is not None and len(self._own_prompts) < self.measure_prompts:
-                self._own_prompts.append(prompt)
-
-    def eval_drafter(self, drafter: torch.nn.Module, k: int):
-        """The evaluator's chain drafter over ``drafter`` (a copy in the verifier's dtype)."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def measured_tau(self) -> dict[str, float]:
-        """tau (tokens per verifier forward, bonus included, pooled) and alpha_1 of the lossless loop, T = 0."""
-        from spectrain.eval.decode import generate
-        from spectrain.eval.static_model import StaticCausalLM
-
-        param = self.verifier_lm_head.weight
-        drafter = self.plain_drafter().to(param.device, param.dtype).eval()
-        chain = self.eval_drafter(drafter, self.measure_k)
-        longest = max(len(p) for p in self._measure_ids)
-        runner = StaticCausalLM(self.verifier, max_len=longest + self.measure_new_tokens + self.measure_k + 2,
-                                device=param.device)
-        counts = torch.zeros(3, dtype=torch.long)  # emitted, rounds, rounds with the first draft accepted
-        generator = torch.Generator(device=param.device).manual_seed(0)  # the training RNG streams stay untouched
-        world = self.trainer.world_size if self._trainer is not None else 1
-        for prompt in self._measure_ids[self.global_rank::world]:  # each rank its share, pooled below
-            out = generate(runner, chain, prompt, self.measure_new_tokens, generator=generator)
-            counts += torch.tensor([sum(out.emitted_per_round), len(out.accept_lengths),
-                                    sum(a >= 1 for a in out.accept_lengths)])
-        if world > 1:
-            counts = self.trainer.strategy.reduce(counts.to(self.device), reduce_op="sum").cpu()
-        emitted, rounds, first = counts.tolist()
-        return {"tau_measured": emitted / max(rounds, 1), "alpha1_measured": first / max(rounds, 1)}
 
     # -- optimizer ------------------------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -589,7 +562,7 @@ class DrafterModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(VERIFIER_PREFIX)}
         checkpoint["spectrain"] = {"verifier": self.verifier_name, "method": self.method_name,
                                    "trained_tokens": self.trained_tokens, "train_seconds": self.train_seconds,
-                                   "curve": self.curve, "aux_layer_ids": self.fused_layers()}
+                                   "curve": self.curve, **self.checkpoint_record()}
         # The RNG streams the loss draws from (EAGLE-1's feature noise), so a resumed run draws the same numbers:
         # every rank's own (CPU, and its own device's on CUDA), gathered into rank 0's checkpoint.
         device = self.rng_device()
@@ -601,10 +574,6 @@ class DrafterModule(L.LightningModule):
             torch.distributed.all_gather_object(ranks, mine)
         checkpoint["rng"] = {"ranks": ranks}
 
-    def fused_layers(self) -> list[int]:
-        """The verifier layers an EAGLE-3 drafter fuses ([] for the others): resuming with others is refused."""
-        return list(getattr(getattr(self.drafter, "config", None), "aux_layer_ids", None) or [])
-
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("spectrain", {})
         if saved.get("method", self.method_name) != self.method_name:
@@ -614,16 +583,7 @@ class DrafterModule(L.LightningModule):
         missing = [k for k in own if f"drafter.{k}" not in weights]
         if missing:
             raise SpectrainError(f"checkpoint lacks drafter weights {missing[:4]}: it is not a {self.method_name} checkpoint")
-        ids, saved_ids = self.fused_layers(), saved.get("aux_layer_ids")
-        layers = self.verifier.config.num_hidden_layers
-        if ids and saved_ids is None and layers < 7 and getattr(self, "aux_layer_ids", None) is None:
-            # saved before checkpoints recorded it, by a run on the old small-verifier default (min(3, N) ids
-            # spread evenly over [1, N], N included)
-            count = min(3, layers)
-            saved_ids = [1] if count == 1 else sorted({1 + (k * (layers - 1)) // (count - 1) for k in range(count)})
-        if ids and saved_ids is not None and list(saved_ids) != ids:
-            raise SpectrainError(f"the checkpoint's drafter fuses verifier layers {list(saved_ids)}, this run's "
-                                 f"{ids}: pass --model.aux_layer_ids '{list(saved_ids)}' to resume it")
+        self.check_checkpoint(saved)
         wrong = [k for k, v in own.items() if tuple(weights[f"drafter.{k}"].shape) != tuple(v.shape)]
         if wrong:
             raise SpectrainError(f"the checkpoint's drafter has other shapes ({wrong[:3]}): it was trained with "
@@ -678,29 +638,6 @@ def ddp_ignored_names(module: torch.nn.Module) -> list[str]:
     return frozen + [n for n, _ in module.named_buffers()]
 
 
-def row_prompt(ids: torch.Tensor, loss_mask: torch.Tensor) -> Optional[list[int]]:
-    """A validation row's prompt for measured tau: the tokens before its first target; for text (every token a
-    target) the row's first half, at most 64 tokens. ``None`` when that leaves fewer than 2 tokens."""
-    target = loss_mask.bool()
-    first = int(target.int().argmax()) if bool(target.any()) else 0
-    if first < 2:
-        first = min(64, ids.shape[0] // 2)
-    return ids[:first].tolist() if first >= 2 else None
-
-
-def merge_rank_prompts(own: list[list[int]], world: int, n: int) -> list[list[int]]:
-    """Every rank's prompts (each from its own validation rows) as one list, the same on every rank: rank 0's
-    first, rank 1's first, ..., rank 0's second, ... (the order of the rows the ranks were dealt), at most ``n``.
-    A collective when ``world > 1``."""
-    if world == 1:
-        return own[:n]
-    ranks: list = [None] * world
-    torch.distributed.all_gather_object(ranks, own)
-    merged = [tuple(r[i]) for i in range(max(map(len, ranks))) for r in ranks if i < len(r)]
-    # Loaders that are not sharded by rank give every rank the same rows: each prompt once.
-    return [list(p) for p in dict.fromkeys(merged)][:n]
-
-
 def reduce_sums(sums: dict[str, torch.Tensor], strategy, world: int, device) -> dict[str, torch.Tensor]:
     """Validation count sums added over ranks. A rank that saw no batch (or no key another rank saw) adds zeros
     of the same shape, so every rank enters the same reductions in the same order. A collective when
@@ -712,32 +649,3 @@ def reduce_sums(sums: dict[str, torch.Tensor], strategy, world: int, device) -> 
         sums = {k: sums[k] if k in sums else torch.zeros(union[k], dtype=torch.float64, device=device)
                 for k in sorted(union)}
     return {k: strategy.reduce(v, reduce_op="sum") for k, v in sums.items()}
-
-
-def measure_prompts_from(val_set, n: int) -> list[list[int]]:
-    """The first ``n`` prompts of the validation set in its own order — the same on every rank and for any number
-    of ranks (each rank then decodes its share of them). Map-style sets are read by index; streams (an
-    ``IterableDataset``) from their start."""
-    prompts: list[list[int]] = []
-    if n <= 0:
-        return prompts  # (a stream would otherwise be read to its end)
-    rows = (val_set[i] for i in range(len(val_set))) if is_map_style(val_set) else iter(val_set)
-    for row in rows:
-        ids = torch.as_tensor(row["input_ids"])
-        loss = torch.as_tensor(row["loss_mask"]) if "loss_mask" in row else torch.ones_like(ids)
-        prompt = row_prompt(ids, loss)
-        if prompt is not None:
-            prompts.append(prompt)
-        if len(prompts) == n:
-            break
-    return prompts
-
-
-def token_counts(rows, vocab_size: int) -> torch.Tensor:
-    """(V,) int64 counts of the loss-masked tokens (all tokens where a row has no ``loss_mask``) over ``rows``."""
-    kept = []
-    for row in rows:
-        ids = torch.as_tensor(row["input_ids"]).reshape(-1)
-        kept.append(ids[torch.as_tensor(row["loss_mask"]).reshape(-1).bool()] if "loss_mask" in row else ids)
-    ids = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
-    return torch.bincount(ids.long(), minlength=vocab_size)[:vocab_size]

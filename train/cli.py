@@ -220,14 +220,16 @@ class SpectrainCLI(LightningCLI):
 
 
 def recipe_method(model_config) -> str:
-    """``medusa``, ``eagle1`` or ``eagle3``: what a parsed ``model`` section (class_path + init_args) trains."""
-    variant = getattr(model_config.init_args, "variant", None)
-    if variant:
-        return variant
+    """What a parsed ``model`` section (class_path + init_args) trains (``medusa``, ``eagle1``, ...): its module's
+    :meth:`~.base.DrafterModule.method_for`, a method of a registered drafter family."""
+    from spectrain.heads.families import family_for_method
+
     module, _, name = model_config.class_path.rpartition(".")
     import importlib
 
-    return getattr(importlib.import_module(module), name).method_name
+    method = getattr(importlib.import_module(module), name).method_for(model_config.init_args)
+    family_for_method(method, f"model.class_path {model_config.class_path}")
+    return method
 
 
 def train(default_config: str, args=None) -> Path:
@@ -252,6 +254,7 @@ def train(default_config: str, args=None) -> Path:
     drafter = model.plain_drafter()  # on every rank: under FSDP gathering the shards is a collective
     if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the export and the summary
         return run_dir / "summary.json"
+    model.write_run_records(run_dir)  # before the drafter's config.json, which marks the drafter complete
     model.export(run_dir, drafter, extra={"trained_steps": trainer.global_step})
     close_loggers(trainer)
     summary = build_summary(cli, best, fit_seconds, time.time() - t0)

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.vocab import token_counts
 
-from .base import DrafterModule, token_counts
+from .base import DrafterModule
 from .losses import projected_cross_entropy, projected_topk
 from .strategies import unwrapped
 
@@ -44,6 +45,9 @@ class EagleModule(DrafterModule):
         layer_init: ``random``, ``verifier`` (the decoder layer starts as the verifier's last layer) or
             ``identity`` (zero ``o_proj`` / ``down_proj``); see :meth:`EagleDrafter.warm_start`.
         norm_init: eagle3: ``verifier`` starts the final norm from the verifier's final norm.
+        norm_before_residual, norm_before_fc, norm_output: eagle3: vLLM speculators' variant (all three are its
+            training default; all off is EAGLE-3 as published): the residual is the normed hidden input, one
+            RMSNorm over the fused layers before ``fc``, later draft steps read the normed output of the one before.
         **kwargs: see :class:`DrafterModule` (verifier, optimizer, chunking).
     """
 
@@ -61,6 +65,9 @@ class EagleModule(DrafterModule):
         drop_outside_vocab: bool = True,
         layer_init: Literal["random", "verifier", "identity"] = "random",
         norm_init: Literal["default", "verifier"] = "default",
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        norm_output: bool = False,
         **kwargs,
     ):
         if variant not in ("eagle1", "eagle3"):
@@ -75,16 +82,39 @@ class EagleModule(DrafterModule):
         if norm_init == "verifier" and variant != "eagle3":
             raise SpectrainError("model.norm_init verifier is for eagle3 (eagle1 has no final norm of its own)")
         self.layer_init, self.norm_init = layer_init, norm_init
+        self.norm_flags = {"norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc,
+                           "norm_output": norm_output}
+        if variant != "eagle3" and any(self.norm_flags.values()):
+            raise SpectrainError(f"model.{', model.'.join(k for k, v in self.norm_flags.items() if v)}: EAGLE-3 "
+                                 "variant flags (speculators'); eagle1 has none")
         if variant == "eagle3" and kwargs.get("train_vocab_size") is not None:
             raise SpectrainError("eagle3 trains over its own draft vocabulary: set model.draft_vocab_size, not "
                                  "model.train_vocab_size")
         super().__init__(**kwargs)
 
+    @classmethod
+    def method_for(cls, init_args) -> str:
+        return getattr(init_args, "variant", None) or "eagle3"
+
     def build_drafter(self) -> EagleDrafter:
         drafter = EagleDrafter.for_verifier(self.verifier, self.variant, self.draft_vocab_size, self.aux_layer_ids,
-                                            verifier_name=self.verifier_name)
+                                            verifier_name=self.verifier_name, **self.norm_flags)
         drafter.warm_start(self.verifier, self.layer_init, self.norm_init)
         return drafter
+
+    def load_initial_drafter(self, path: str) -> None:
+        """:meth:`DrafterModule.load_initial_drafter`, refusing a drafter of another norm variant: two of the flags
+        have no tensor of their own, so the state dicts alone would match and the weights mean something else."""
+        from spectrain.heads.formats import import_drafter
+
+        source = import_drafter(path, verifier_model=self.verifier)
+        theirs = {flag: bool(getattr(source.config, flag, False)) for flag in self.norm_flags}
+        if theirs != self.norm_flags:
+            differ = [flag for flag in self.norm_flags if theirs[flag] != self.norm_flags[flag]]
+            raise SpectrainError(f"model.init_from {path} is an EAGLE drafter with "
+                                 f"{', '.join(f'{f}={theirs[f]}' for f in differ)}; this run has the opposite: pass "
+                                 + " ".join(f"--model.{f} {str(theirs[f]).lower()}" for f in differ))
+        super().load_initial_drafter(path)
 
     def needs_greedy(self, training: bool) -> bool:
         return not training or self.drop_outside_vocab
@@ -198,10 +228,35 @@ class EagleModule(DrafterModule):
             masks.append(mask)
         return {**counts, **self.chain_counts(hits, masks)}
 
-    def eval_drafter(self, drafter: EagleDrafter, k: int):
-        from spectrain.eval.drafters import EagleChainDrafter
+    # -- EAGLE-3's fused layers: init_from and resumed checkpoints must fuse this run's -----------------------------
+    def ranked_default_size(self) -> Optional[int]:
+        """EAGLE-3 drafts over its own trained draft vocabulary: no ranking for ranked heads."""
+        return None if self.variant == "eagle3" else super().ranked_default_size()
 
-        return EagleChainDrafter(drafter, self.verifier, k)
+    def fused_layers(self) -> list[int]:
+        """The verifier layers an EAGLE-3 drafter fuses ([] for EAGLE-1): a drafter on others is refused."""
+        return list(self.drafter.config.aux_layer_ids or [])
+
+    def check_initial_drafter(self, source: EagleDrafter, path: str) -> None:
+        fused = list(source.config.aux_layer_ids or [])
+        if fused != self.fused_layers():  # same fc shape, other layers: the weights would mean something else
+            raise SpectrainError(f"model.init_from {path} fuses verifier layers {fused}, this run's "
+                                 f"{self.fused_layers()}: pass --model.aux_layer_ids '{fused}'")
+
+    def checkpoint_record(self) -> dict:
+        return {"aux_layer_ids": self.fused_layers()}
+
+    def check_checkpoint(self, saved: dict) -> None:
+        ids, saved_ids = self.fused_layers(), saved.get("aux_layer_ids")
+        layers = self.verifier.config.num_hidden_layers
+        if ids and saved_ids is None and layers < 7 and self.aux_layer_ids is None:
+            # saved before checkpoints recorded it, by a run on the old small-verifier default (min(3, N) ids
+            # spread evenly over [1, N], N included)
+            count = min(3, layers)
+            saved_ids = [1] if count == 1 else sorted({1 + (k * (layers - 1)) // (count - 1) for k in range(count)})
+        if ids and saved_ids is not None and list(saved_ids) != ids:
+            raise SpectrainError(f"the checkpoint's drafter fuses verifier layers {list(saved_ids)}, this run's "
+                                 f"{ids}: pass --model.aux_layer_ids '{list(saved_ids)}' to resume it")
 
     def _top1(self, out: torch.Tensor) -> torch.Tensor:
         """(B, n, h) drafter outputs -> (B, n) verifier-vocabulary token ids of the drafter's argmax."""

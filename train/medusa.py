@@ -163,12 +163,6 @@ class MedusaModule(DrafterModule):
                 out[f"p_chain_{j + 1}"] = float(sums[f"chain_ge_{j}"]) / n
         return out
 
-    def eval_drafter(self, drafter, k: int):
-        from spectrain.eval.drafters import MedusaDrafter
-        from spectrain.eval.tree import Tree
-
-        return MedusaDrafter(drafter, self.verifier_lm_head, Tree.chain(min(k, drafter.config.num_heads)))
-
     def summary_rows(self, metrics: dict) -> tuple[list[str], list[list]]:
         names = ("top1_ver", "top5_ver", "top1_gt", "top5_gt")
         return (["head", "top1 vs verifier", "top5 vs verifier", "top1 vs data", "top5 vs data"],

@@ -16,42 +16,76 @@ the rank from the launcher's environment).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 from torch import nn
 
+from spectrain.heads.errors import SpectrainError
 
-def is_decoder_layer(module: nn.Module) -> bool:
-    """HF decoder layers of every family are named ``*DecoderLayer`` (LlamaDecoderLayer, Qwen3DecoderLayer, ...)."""
-    return type(module).__name__.endswith("DecoderLayer") and not type(module).__name__.startswith("Eagle")
+
+def drafter_units() -> tuple[type, ...]:
+    """The module classes FSDP wraps as drafter units: every registered family's ``fsdp_units``."""
+    from spectrain.heads.families import families
+
+    return tuple(unit for family in families() for unit in family.fsdp_units)
 
 
 def is_drafter(module: nn.Module) -> bool:
-    from spectrain.heads.eagle import EagleDrafter
-    from spectrain.heads.medusa import MedusaHeads
+    return isinstance(module, drafter_units())
 
-    return isinstance(module, (MedusaHeads, EagleDrafter))
+
+def is_verifier_layer(module: nn.Module) -> bool:
+    """A verifier decoder layer: HF's ``*DecoderLayer`` classes (LlamaDecoderLayer, Qwen3DecoderLayer, ..., from
+    ``transformers`` or a hub model's remote code, ``transformers_modules``).
+
+    Asked only of modules outside every drafter unit (:func:`drafter_wrap_policy` never looks inside one), so
+    another ``*DecoderLayer`` here belongs to a drafter no family registered: refused, rather than wrapped as a
+    frozen verifier unit that would split the drafter's trainable weights over verifier units and the root.
+    """
+    cls = type(module)
+    if not cls.__name__.endswith("DecoderLayer"):
+        return False
+    if cls.__module__.split(".")[0] in ("transformers", "transformers_modules"):
+        return True
+    raise SpectrainError(f"{cls.__name__} ({cls.__module__}) is a decoder layer outside the verifier and outside "
+                         f"every registered drafter's FSDP units ({', '.join(c.__name__ for c in drafter_units())}): "
+                         "register its drafter family (register_family; its fsdp_units) so FSDP wraps it with the "
+                         "drafter")
+
+
+_INSIDE_DRAFTER: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # strict submodules of a drafter unit seen
 
 
 def drafter_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int = 0) -> bool:
-    """torch FSDP ``auto_wrap_policy``: descend everywhere; wrap verifier decoder layers and the drafter."""
-    if recurse:
-        return not is_drafter(module)  # the drafter is one unit: do not split it further
-    return is_decoder_layer(module) or is_drafter(module)
+    """torch FSDP ``auto_wrap_policy``: each verifier decoder layer one unit, each drafter unit one (never split).
+
+    torch asks ``recurse=True`` first (descend into the module's children? False also means: never wrap it)
+    and, after its children, ``recurse=False`` (wrap what is left of it?). So a drafter unit answers True to both,
+    and its own submodules — remembered when it is first asked — answer False to both: they stay in its unit.
+    """
+    if module in _INSIDE_DRAFTER:
+        return False
+    if is_drafter(module):
+        if recurse:
+            _INSIDE_DRAFTER.update(m for m in module.modules() if m is not module)
+        return True
+    return True if recurse else is_verifier_layer(module)
 
 
 def fsdp_units(root: nn.Module) -> list[nn.Module]:
-    """The modules :func:`drafter_wrap_policy` makes FSDP units of, root included (for tests and docs)."""
+    """The modules torch's FSDP auto-wrap makes units of with :func:`drafter_wrap_policy`, root included (for
+    tests and docs): torch's own recursion (``_recursive_wrap``) with a wrapper that only records."""
+    from torch.distributed.fsdp.wrap import _recursive_wrap
+
     units = [root]
 
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if drafter_wrap_policy(child, recurse=False):
-                units.append(child)
-            if drafter_wrap_policy(child, recurse=True):
-                visit(child)
+    def record(module: nn.Module, **kwargs) -> nn.Module:
+        units.append(module)
+        return module
 
-    visit(root)
+    _recursive_wrap(root, drafter_wrap_policy, record, ignored_modules=set(), ignored_params=set(),
+                    only_wrap_children=True)
     return units
 
 
@@ -90,11 +124,11 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def drafter_class(module: nn.Module) -> type:
-    """The drafter's own class (FSDP2 swaps in a subclass of it; FSDP1 wraps it: pass the inner module)."""
-    from spectrain.heads.eagle import EagleDrafter
-    from spectrain.heads.medusa import MedusaHeads
+    """The drafter's own class, its family's (FSDP2 swaps in a subclass of it; FSDP1 wraps it: pass the inner
+    module)."""
+    from spectrain.heads.families import family_of
 
-    return next(c for c in type(module).__mro__ if c in (MedusaHeads, EagleDrafter))
+    return family_of(module).drafter_class
 
 
 def decay_names(drafter: nn.Module) -> set[str]:
@@ -138,8 +172,6 @@ def register_strategies() -> None:
         :func:`inside_forward` has put the real one back (the loss recomputes itself: ``model.loss_recompute``)."""
 
         def __init__(self, *args, activation_checkpointing_policy=None, activation_checkpointing=None, **kwargs):
-            from spectrain.heads.errors import SpectrainError
-
             if activation_checkpointing_policy is not None or activation_checkpointing is not None:
                 raise SpectrainError("fsdp_drafter takes no activation checkpointing: the verifier runs without "
                                      "gradients and the drafter's loss recomputes itself (--model.loss_recompute)")
