@@ -144,7 +144,7 @@ def load_drafter(path: str, verifier: Verifier, method: str | None = None, allow
     drafter.verifier_note = note
     family = family_of(drafter)
     if method in learned_methods() and method != family.name:
-        raise SpectrainError(f"{path} holds a {family.label} drafter: use --method {family.name}")
+        raise SpectrainError(f"{path} holds a drafter of the {family.label} family: use --method {family.name}")
     param = next(verifier.model.parameters())
     drafter.ranking = load_ranking(path)  # its training data's token counts (ranked draft heads), or None
     return drafter.to(param.device, param.dtype).eval()

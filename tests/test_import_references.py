@@ -391,7 +391,7 @@ def test_name_mismatch_with_an_equal_signature_loads_with_a_note(tmp_path, verif
     notes = [str(w.message) for w in caught if "records verifier" in str(w.message)]
     assert len(notes) == 1 and LOCAL_NAME in notes[0] and "'bundled:smollm2'" in notes[0]
     assert "architecture, vocab_size, hidden_size" in notes[0] and drafter.verifier_note == notes[0]
-    with pytest.raises(SpectrainError, match="holds an eagle3 drafter: use --method eagle"):
+    with pytest.raises(SpectrainError, match="holds a drafter of the EAGLE family: use --method eagle"):
         load_drafter(str(path), as_verifier(verifier), "medusa")
 
 
