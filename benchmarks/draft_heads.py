@@ -1,9 +1,10 @@
-"""Ranked draft heads, measured: τ, drafting cost and speedup of Medusa / EAGLE-1 drafters over draft vocabularies
-of several sizes, every speedup over AR decoded in the same run (benchmark, not a test).
+"""Ranked draft heads, measured: τ, drafting cost and speedup of Medusa / EAGLE-1 / DFlash drafters over draft
+vocabularies of several sizes, every speedup over AR decoded in the same run (benchmark, not a test).
 
 One AR pass over the prompts first (its records are every setting's reference: speedup and the lossless check),
-then per drafter and draft vocabulary one :func:`evaluate_drafter` call (a chain of k and a tree: EAGLE's dynamic
-tree, Medusa's best N-node tree), plus the hybrid (prompt lookup + the drafter) where asked; AR is decoded once
+then per drafter and draft vocabulary one :func:`evaluate_drafter` call (a chain of k — ``--k_of NAME=K`` for another
+length per drafter — and a tree: Medusa's best N-node tree, the dynamic tree of the families that grow one (EAGLE,
+DFlash: its depth must fit the block)), plus the hybrid (prompt lookup + the drafter) where asked; AR is decoded once
 more at the end so the drift of the machine over the run is on record::
 
     python benchmarks/draft_heads.py --prompts mt_bench.jsonl --drafter eagle1=pretrained/smollm2-eagle1 \\
@@ -28,7 +29,8 @@ from spectrain.eval.cli import dynamic_tree
 from spectrain.eval.evaluate import evaluate_drafter, load_drafter
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.medusa import MedusaHeads
+from spectrain.eval.families import evaluator_of
+from spectrain.heads.families import family_of
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
 
@@ -38,13 +40,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", default="bundled:smollm2")
     p.add_argument("--drafter", action="append", required=True, metavar="NAME=PATH",
-                   help="a Medusa or EAGLE-1 drafter (repeat)")
+                   help="a drafter of any registered family (Medusa, EAGLE-1, DFlash; repeat)")
     p.add_argument("--prompts", required=True, help="MT-bench-style jsonl ({'turns': [...], 'category': ...})")
     p.add_argument("--num_prompts", type=int, default=16)
     p.add_argument("--draft_vocabs", default="0,16384,8192,4096", help="draft vocabulary sizes (0 = full)")
     p.add_argument("--hybrid", action="append", default=[], metavar="NAME=N[,N...]",
                    help="also prompt lookup + drafter NAME at these draft vocabularies")
     p.add_argument("--k", type=int, default=5)
+    p.add_argument("--k_of", action="append", default=[], metavar="NAME=K",
+                   help="another chain length for drafter NAME (a block drafter's whole block, say)")
     p.add_argument("--dynamic_tree", default="6,8,64", help="EAGLE's tree")
     p.add_argument("--medusa_tree", default="auto:64", help="Medusa's tree")
     p.add_argument("--max_new_tokens", type=int, default=128)
@@ -90,15 +94,17 @@ def run(args: argparse.Namespace, command: str):
     ar = evaluate_drafter(verifier, prompts, method="none", **common)
     reference, ar_summary = ar.per_prompt["ar"], ar.results["ar"]
     rows, calls = [], []
+    chains = {name: int(k) for name, k in pairs(args.k_of, "--k_of").items()}
     for name, path in paths.items():
         drafter = load_drafter(path, verifier)
-        medusa = isinstance(drafter, MedusaHeads)
-        method = "medusa" if medusa else "eagle"
-        tree = dict(tree=args.medusa_tree) if medusa else dict(dynamic_tree=dynamic_tree(args.dynamic_tree))
+        method = family_of(drafter).name
+        evaluator = evaluator_of(family_of(drafter))
+        tree = (dict(tree=args.medusa_tree) if evaluator.rank_trees else
+                dict(dynamic_tree=dynamic_tree(args.dynamic_tree)) if evaluator.dynamic_trees else {})  # else chains
         jobs = [(method, n) for n in vocabs] + [("hybrid", n) for n in hybrids.get(name, [])]
         for how, n in jobs:
-            result = evaluate_drafter(verifier, prompts, method=how, drafter=drafter, k=args.k, draft_vocab=n,
-                                      reference=reference, **tree, **common)
+            result = evaluate_drafter(verifier, prompts, method=how, drafter=drafter, k=chains.get(name, args.k),
+                                      draft_vocab=n, reference=reference, **tree, **common)
             label = name if how != "hybrid" else f"hybrid-{name}"
             calls.append({"drafter": label, "path": path, "draft_vocab": result.draft_vocab,
                           "results": result.results, "costs": result.costs, "planner": result.planner})

@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(static attention span, fixed-size attention calls, no 1-row matmuls): bf16 chains then "
                         "equal bf16 AR token for token. auto: on in bf16/fp16 on a CPU, off on CUDA and in fp32")
     p.add_argument("--draft_vocab", type=int, default=None, metavar="N",
-                   help="Medusa / EAGLE-1: draft over the N most frequent tokens of the drafter's training data "
+                   help="Medusa / EAGLE-1 / DFlash: draft over the N most frequent tokens of the drafter's training data "
                         "(its vocab_ranking.json); 0 = the full vocabulary. Default: the vocabulary it trained over "
                         "(full when it records none). The verifier always verifies over the full vocabulary, so "
                         "outputs are unchanged; only the drafting cost and tau move")

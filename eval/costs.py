@@ -13,6 +13,8 @@ from dataclasses import replace
 
 import torch
 
+from spectrain.heads.errors import SpectrainError
+
 from .accept import Sampling
 from .decode import verify_mask_rows
 from .drafters import Drafter, DraftState
@@ -65,9 +67,14 @@ def draft_cost(drafter: Drafter, state: DraftState, repeats: int = 10) -> float:
     if drafter.tree.size == 0:
         return 0.0
     drafter.start(state, None)
-    if drafter.wants_features:  # feed the prompt once; a round then feeds one new position and drafts
+    if drafter.wants_features:  # feed the prompt once; a round then feeds one new position (again) and drafts
         drafter.propose(state)
         state = replace(state, new_features=state.new_features[-1:], new_tokens=state.new_tokens[-1:])
+        if hasattr(drafter, "rewind"):  # a drafter that checks its context positions: forget the re-fed one
+            def run():
+                drafter.rewind(1)
+                drafter.propose(state)
+            return _timer(state.tokens.device, run, repeats)
     if hasattr(drafter, "runner"):  # a model drafter: its prefill untimed, then rounds that feed one new token
         drafter.propose(state)
         keep, last = state.length - 1, state.tokens[state.length - 1:state.length]
@@ -96,12 +103,16 @@ def plan(alpha: list[float | None], t_decode: float, t_verify: dict[int, float],
 
 def probe_state(runner: StaticCausalLM, prompt: list[int], sampling: Sampling,
                 capture_layers: tuple[int, ...] = ()) -> DraftState:
-    """A drafter state after prefilling ``prompt`` (for timing drafters in isolation)."""
+    """A drafter state as the decoder hands it over after prefilling ``prompt[:-1]`` (for timing drafters in
+    isolation): the root is ``prompt[-1]``, the features those of the positions before it, each paired with the
+    token after it."""
+    if len(prompt) < 2:
+        raise SpectrainError("timing a drafter needs a prompt of at least 2 tokens (its first prompt has 1)")
     tokens = torch.zeros(runner.max_len, dtype=torch.long, device=runner.device)
     tokens[:len(prompt)] = torch.tensor(prompt, device=runner.device)
     runner.reset()
     runner.capture = capture_layers
-    hidden = runner.forward(tokens[:len(prompt)])
+    hidden = runner.forward(tokens[:len(prompt) - 1])
     runner.reset()
     return DraftState(tokens=tokens, length=len(prompt), hidden=hidden[-1], sampling=sampling, history=list(prompt),
-                      new_features=runner.aux if capture_layers else hidden, new_tokens=tokens[1:len(prompt) + 1])
+                      new_features=runner.aux if capture_layers else hidden, new_tokens=tokens[1:len(prompt)])

@@ -482,7 +482,7 @@ class EagleChainDrafter(Drafter):
         vocab = check_draft_vocab(vocab, self.vocab_size)
         if drafter.is_eagle3 and vocab is not None:
             raise SpectrainError("an EAGLE-3 drafter drafts over the draft vocabulary it was trained with "
-                                 f"({drafter.config.draft_vocab_size} tokens): --draft_vocab is for Medusa and EAGLE-1")
+                                 f"({drafter.config.draft_vocab_size} tokens): --draft_vocab is for Medusa, EAGLE-1 and DFlash")
         device = self.lm_head.weight.device
         if drafter.is_eagle3:
             self.draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))

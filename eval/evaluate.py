@@ -156,12 +156,12 @@ def resolve_draft_vocab(learned, draft_vocab: int | None, vocab_size: int) -> tu
     size it trained over (its ranking's default), 0 = full, N = the N most frequent of its training tokens."""
     if learned is None:
         if draft_vocab:
-            raise SpectrainError("--draft_vocab applies to a Medusa or EAGLE-1 drafter (medusa, eagle, hybrid)")
+            raise SpectrainError("--draft_vocab applies to a learned drafter (medusa, eagle, dflash, hybrid)")
         return None, None
     if getattr(learned, "is_eagle3", False):
         if draft_vocab is not None:
             raise SpectrainError("an EAGLE-3 drafter drafts over the draft vocabulary it was trained with "
-                                 f"({learned.config.draft_vocab_size} tokens): --draft_vocab is for Medusa and EAGLE-1")
+                                 f"({learned.config.draft_vocab_size} tokens): --draft_vocab is for Medusa, EAGLE-1 and DFlash")
         return None, learned.config.draft_vocab_size
     ranking = getattr(learned, "ranking", None)
     if ranking is not None and ranking.vocab_size != vocab_size:
@@ -254,7 +254,7 @@ def make_trees(s: Settings, learned, calibration: dict | None) -> dict[str, Tree
     depth = evaluator.max_depth(learned) if evaluator else None
     for name, tree in trees.items():
         if depth is not None and tree.max_depth > depth:
-            raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter has {depth} heads")
+            raise SpectrainError(f"{name} is {tree.max_depth} deep but the drafter drafts at most {depth} deep")
         static = not tree.is_chain and not name.startswith("dynamic")
         if static and (s.method in ("ngram", "draft-model", "truncated") or (evaluator and not evaluator.static_trees)):
             raise SpectrainError(f"--method {s.method} drafts chains only; drop --tree")
@@ -511,7 +511,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         batch_invariant: decode so that each token's numbers do not depend on the forward's width
             (:class:`~.static_model.StaticCausalLM`); then low-precision chains equal AR token for token.
             None: on in bf16 / fp16 on a CPU, off on CUDA and in fp32.
-        draft_vocab: Medusa / EAGLE-1: draft over the N most frequent tokens of the drafter's training data
+        draft_vocab: Medusa / EAGLE-1 / DFlash: draft over the N most frequent tokens of the drafter's training data
             (its ``vocab_ranking.json``); 0 = the full vocabulary; None = the vocabulary it trained over (full
             when it records none). Verification is always over the full vocabulary.
     """
@@ -550,15 +550,16 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         longest = max(len(encode_turn(tokenizer, [{"role": "user", "content": t}], use_template))
                       for p in prompts for t in p)
         max_len = min(context, max(len(p) for p in prompts) * (longest + max_new_tokens + 16) + 80)
-    # Verifier layers the drafter reads besides the last hidden state (EAGLE-3's fused layers).
-    eagle3_layers = (tuple(drafter.config.aux_layer_ids or ()) if getattr(drafter, "is_eagle3", False) else ())
-    rank_trees = drafter is not None and method in learned_methods() + ("hybrid",) and \
-        evaluator_of(family_of(drafter)).rank_trees
+    # Verifier layers the drafter reads besides the last hidden state (EAGLE-3's fused layers, DFlash's targets).
+    evaluator = (evaluator_of(family_of(drafter)) if drafter is not None and method in learned_methods() + ("hybrid",)
+                 else None)
+    captured = evaluator.capture(drafter) if evaluator else ()
+    rank_trees = bool(evaluator and evaluator.rank_trees)
     runner = StaticCausalLM(model, max_len=max_len, device=device, static=True if compile else None,
                             batch_invariant=batch_invariant)
     compile_seconds = None
     if compile:  # every size compiled and warmed up here, before anything is timed
-        runner.capture = eagle3_layers  # kept by every drafter's run: one set of graphs
+        runner.capture = captured  # kept by every drafter's run: one set of graphs
         planner_sizes = list(range(2, k + 2)) + ([1 + n for n in PLANNER_TREES] if rank_trees else [])
         compile_seconds = runner.compile(verify_sizes(s) + (planner_sizes if costs else []))
 
@@ -578,7 +579,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
 
     if costs:
         probe_prompt = encode_turn(tokenizer, [{"role": "user", "content": prompts[0][0]}], use_template)
-        state = probe_state(runner, probe_prompt, sampling, eagle3_layers)
+        state = probe_state(runner, probe_prompt, sampling, captured)
         t_decode = verify_cost(runner, Tree.chain(0), len(probe_prompt))
         cost_table = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
     t_verify, t_draft = {}, {}

@@ -35,6 +35,8 @@ class FamilyEvaluator:
         rank_trees: its heads' rank accuracies are measured on AR's outputs, so ``--tree auto:N`` builds the best
             N-node static tree from them (Medusa; the results table's tree rows when it grows no dynamic tree).
         max_depth: ``learned`` -> the deepest tree or chain it drafts (Medusa: its head count), None = unbounded.
+        capture: ``learned`` -> the HF ``hidden_states`` ids its decoding drafter reads besides the last hidden
+            state (EAGLE-3's fused layers, a block drafter's target layers; the verifier keeps them every forward).
     """
 
     build: Callable[..., Drafter]
@@ -42,6 +44,7 @@ class FamilyEvaluator:
     dynamic_trees: bool = False
     rank_trees: bool = False
     max_depth: Callable[[Any], int | None] = _unbounded
+    capture: Callable[[Any], tuple[int, ...]] = lambda learned: ()
 
 
 def evaluator_of(family: DrafterFamily) -> FamilyEvaluator:
@@ -80,4 +83,5 @@ def _eagle_drafter(drafter, model, tree, *, dynamic=None, vocab=None) -> Drafter
 
 
 MEDUSA = FamilyEvaluator(build=_medusa_drafter, rank_trees=True, max_depth=lambda heads: heads.config.num_heads)
-EAGLE = FamilyEvaluator(build=_eagle_drafter, dynamic_trees=True)
+EAGLE = FamilyEvaluator(build=_eagle_drafter, dynamic_trees=True,
+                        capture=lambda d: tuple(d.config.aux_layer_ids or ()) if d.is_eagle3 else ())

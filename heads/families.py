@@ -212,4 +212,4 @@ def resolve(ref: Ref):
 
 def _builtin() -> None:
     """Import the bundled family modules, which register themselves (once; cheap afterwards)."""
-    from . import eagle, medusa  # noqa: F401
+    from . import medusa, eagle, dflash  # noqa: F401  (registration order: the CLI lists them so)

@@ -511,7 +511,7 @@ def _export_extras(drafter, fmt: str, config: dict, ranking: Ranking | None, sig
     if signature:
         writers.append(lambda d: save_verifier_signature(d, signature, verifier_name_of(drafter)))
         config.setdefault("spectrain", {})["verifier_signature"] = {k: signature.get(k) for k in SIGNATURE_FIELDS}
-        if fmt == "speculators" and signature.get("architecture"):
+        if "speculators_config" in config and signature.get("architecture"):  # any speculators layout
             config["speculators_config"]["verifier"]["architectures"] = [signature["architecture"]]
     if ranking is None:
         return writers
@@ -748,9 +748,12 @@ def recorded_verifier(path: str | Path) -> dict:
     signature = dict.fromkeys(SIGNATURE_FIELDS)
     if fmt == "spectrain":
         name = config.get("verifier", "")
+        # the verifier's depth: DFlash records it as verifier_layers (its num_hidden_layers is its own), EAGLE as
+        # num_hidden_layers, Medusa not at all
+        depth = config.get("verifier_layers", None if config.get("method") == "medusa" else config.get("num_hidden_layers"))
         signature.update(vocab_size=config.get("vocab_size"), hidden_size=config.get("hidden_size"),
-                         num_hidden_layers=None if config.get("method") == "medusa" else config.get("num_hidden_layers"))
-    elif fmt == "speculators":
+                         num_hidden_layers=depth)
+    elif "speculators_config" in config:  # any speculators layout (EAGLE-3, DFlash, DSpark)
         layer = config.get("transformer_layer_config") or {}
         verifier = (config.get("speculators_config") or {}).get("verifier") or {}
         name = ours.get("verifier") or verifier.get("name_or_path") or ""

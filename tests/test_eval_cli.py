@@ -140,7 +140,7 @@ def test_hybrid_method(setup, tmp_path):
 @pytest.mark.parametrize("extra,message", [
     (["--prompts", "/nonexistent/prompts.jsonl"], "prompts file not found"),
     (["--tree", "[[0, 1]]"], "missing"),
-    (["--tree", "[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]"], "4 deep but the drafter has 3 heads"),
+    (["--tree", "[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]"], "4 deep but the drafter drafts at most 3 deep"),
     (["--max_new_tokens", "100000"], "beyond the verifier's context"),
     (["--method", "ngram", "--drafter", "", "--tree", "[[0], [1]]"], "chains only"),
 ])

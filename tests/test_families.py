@@ -180,7 +180,7 @@ def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigr
     result = evaluate_drafter(verifier, prompts, method="bigram", drafter=head, k=1, max_new_tokens=12,
                               hf_generate=0, costs=False, chat_template=False)
     assert result.method == "bigram" and result.results["chain-1"]["identical_to_ar"]
-    with pytest.raises(SpectrainError, match="2 deep but the drafter has 1"):
+    with pytest.raises(SpectrainError, match="2 deep but the drafter drafts at most 1 deep"):
         evaluate_drafter(verifier, prompts, method="bigram", drafter=head, k=2, max_new_tokens=4, hf_generate=0,
                          costs=False, chat_template=False)
     with pytest.raises(SpectrainError, match="drafts chains only"):
@@ -214,14 +214,14 @@ def test_registration_refuses_a_taken_name_or_method(bigram_family):
 
 # -- the three silent mis-routes, now errors ----------------------------------------------------------------------
 def test_import_of_an_unknown_method_is_refused_not_loaded_as_eagle(tmp_path):
-    """Our run-dir format with a method no family registered (the next issue's block drafters, say): before, any
-    non-Medusa directory was handed to EagleDrafter.from_pretrained."""
+    """Our run-dir format with a method no family registered (a plugin's, say): before, any non-Medusa directory
+    was handed to EagleDrafter.from_pretrained."""
     from spectrain.heads.formats import detect_format, import_drafter
 
     save_tensors(tmp_path / "model.safetensors", {"proj.weight": torch.zeros(4, 4)})
-    write_json(tmp_path / "config.json", {"method": "dflash", "format_version": 1, "hidden_size": 4})
+    write_json(tmp_path / "config.json", {"method": "blockdraft", "format_version": 1, "hidden_size": 4})
     assert detect_format(tmp_path) == "spectrain"
-    with pytest.raises(SpectrainError, match="method 'dflash' belongs to no registered drafter family"):
+    with pytest.raises(SpectrainError, match="method 'blockdraft' belongs to no registered drafter family"):
         import_drafter(tmp_path)
 
 

@@ -49,6 +49,29 @@ def test_online_equals_offline_loss(setup, variant):
     torch.testing.assert_close(loss_online, loss_offline, rtol=1e-5, atol=1e-6)
 
 
+def test_a_block_drafter_trains_from_a_store_as_online(setup):
+    """DFlash reads its target layers (HF ids = target_layer_ids + 1) and the greedy targets from the store."""
+    from spectrain.train.dflash import DFlashModule
+
+    verifier_dir, data, store = setup
+    torch.manual_seed(0)
+    module = DFlashModule(verifier=str(verifier_dir), num_layers=2, block_size=4, anchors=4)
+    assert module.feature_layer_ids() == (1, 2)  # layers 0 and 1 of the 3-layer verifier: outputs = HF ids + 1
+    offline = DrafterDataModule(path=str(store), tokenizer=str(verifier_dir), block_size=32, batch_size=4)
+    offline.setup()
+    module.use_store(offline.store_meta)
+    stored = offline.collate([offline.train_set[i] for i in range(4)])
+    online = data.collate([data.train_set[i] for i in range(4)])
+    torch.manual_seed(5)  # the same anchors both times
+    loss_offline, _ = module.drafter_loss(stored, module.features(stored))
+    features = module.features(online, greedy=True)
+    features = {"hidden": features["hidden"].bfloat16().float(), "greedy": features["greedy"],
+                "layers": [l.bfloat16().float() for l in features["layers"]]}
+    torch.manual_seed(5)
+    loss_online, _ = module.drafter_loss(online, features)
+    torch.testing.assert_close(loss_online, loss_offline, rtol=1e-5, atol=1e-6)
+
+
 def test_extraction_resumes_without_duplicates(setup, tmp_path):
     verifier_dir, data, _ = setup
     verifier = load_verifier(str(verifier_dir))

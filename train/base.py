@@ -37,7 +37,8 @@ from spectrain.heads.verifier import (load_verifier, max_context, save_verifier_
                                       verifier_identity, verifier_signature)
 from spectrain.heads.vocab import most_frequent, save_ranking, token_counts
 
-from .losses import default_memory_budget, logits_bytes, projected_topk, sparse_teacher
+from .losses import (TOKEN_LOSSES, default_memory_budget, logits_bytes, projected_token_loss, projected_topk,
+                     sparse_teacher)
 from .measure import TauMeter
 from .strategies import (clean_name, decay_names, drafter_class, full_state_dict, inside_forward, is_sharded,
                          unwrapped)
@@ -91,7 +92,7 @@ class DrafterModule(L.LightningModule):
             ``never`` force either.
         loss_memory_budget_gb: memory the loss may keep for backward; default a quarter of what is available
             when training starts (host memory on CPU, free device memory on CUDA).
-        train_vocab_size: Medusa / EAGLE-1: project the loss onto the N most frequent loss-masked tokens of the
+        train_vocab_size: Medusa / EAGLE-1 / DFlash: project the loss onto the N most frequent loss-masked tokens of the
             training data only (the verifier's own rows; exports keep the full vocabulary). Hard targets outside
             it are dropped from the loss (counted: ``train/dropped_frac``); soft targets are the verifier's
             distribution renormalised over it. null: the whole vocabulary.
@@ -100,6 +101,11 @@ class DrafterModule(L.LightningModule):
             T = 0, ``measure_new_tokens`` tokens each — and log the measured tau (``val/tau_measured``) beside the
             predicted one (:class:`~.measure.TauMeter`). 0: off.
         measure_k, measure_new_tokens: see ``measure_prompts``.
+        token_loss: the loss of the drafter's token distributions against the verifier's: ``ce`` (cross-entropy),
+            or an acceptance-targeted LK loss (arXiv 2602.23881): ``lk_alpha`` = -log sum min(p, q), ``lk_hybrid`` =
+            lam * KL(q || p) + (1 - lam)(1 - alpha) with lam = exp(-lk_eta * alpha) detached. LK needs the verifier's
+            distribution (Medusa: ``target: soft``); its logits are kept whole (use a ``train_vocab_size``).
+        lk_eta: eta of ``lk_hybrid``.
         init_from: start from a trained drafter instead of a fresh one: a spectrain run directory or an
             export in any ``spectrain-export`` format (vLLM, SGLang, TensorRT-LLM, speculators); its shape
             must match this run's (heads, layers, draft vocabulary), and an EAGLE-3 keeps its d2t/t2d.
@@ -124,8 +130,15 @@ class DrafterModule(L.LightningModule):
         measure_k: int = 5,
         measure_new_tokens: int = 64,
         init_from: Optional[str] = None,
+        token_loss: Literal["ce", "lk_alpha", "lk_hybrid"] = "ce",
+        lk_eta: float = 3.0,
     ):
         super().__init__()
+        if token_loss not in TOKEN_LOSSES:
+            raise SpectrainError(f"model.token_loss must be one of {', '.join(TOKEN_LOSSES)}, got {token_loss!r}")
+        if not lk_eta > 0:
+            raise SpectrainError(f"model.lk_eta must be > 0, got {lk_eta}")
+        self.token_loss, self.lk_eta = token_loss, lk_eta
         if lr <= 0:
             raise SpectrainError(f"model.lr must be > 0, got {lr}")
         if loss_chunk_size is not None and loss_chunk_size < 1:
@@ -385,6 +398,12 @@ class DrafterModule(L.LightningModule):
         weight, bias = self.frozen_rows(self.verifier_lm_head, projected, version)
         return {"teacher_states": hidden[:, start:end].reshape(-1, hidden.shape[-1])[rows], "teacher_weight": weight,
                 "teacher_bias": bias}
+
+    def distribution_loss(self, states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          teacher: dict, recompute: bool) -> torch.Tensor:
+        """The mean ``token_loss`` of (N, H) drafter states projected by (weight, bias) against a :meth:`teacher`."""
+        return projected_token_loss(states, weight, bias, teacher, self.token_loss, self.lk_eta,
+                                    chunk_size=self.loss_chunk_size, recompute=recompute)
 
     def recompute_loss(self, rows: int, vocab: int) -> bool:
         """Whether the loss should chunk and recompute its projection of ``rows`` x ``vocab`` logits in backward."""

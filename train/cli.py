@@ -464,3 +464,9 @@ def train_medusa() -> None:
 def train_eagle() -> None:
     """Console script ``train_eagle`` (EAGLE-3 by default; ``--model.variant eagle1`` or ``--config`` another recipe)."""
     _main("eagle3_tinyshakespeare.yaml")
+
+
+def train_dflash() -> None:
+    """Console script ``train_dflash``: a DFlash block drafter on the bundled default (``--config`` another recipe:
+    ``configs/dflash_smollm2.yaml``; ``--model.markov_rank`` / ``--model.confidence_head`` make it DSpark)."""
+    _main("dflash_tinyshakespeare.yaml")

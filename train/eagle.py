@@ -13,7 +13,7 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.vocab import token_counts
 
 from .base import DrafterModule
-from .losses import projected_cross_entropy, projected_topk
+from .losses import projected_topk
 from .strategies import unwrapped
 
 
@@ -169,9 +169,9 @@ class EagleModule(DrafterModule):
             true = hidden[:, 1:T - 1].reshape(-1, hidden.shape[-1])[rows].float()
             feature_loss = F.smooth_l1_loss(pred, true) if rows.numel() else pred.sum() * 0
             weight, bias = self.frozen_rows(self.verifier_lm_head, self.train_rows)
-            ce = projected_cross_entropy(pred, weight, bias, chunk_size=self.loss_chunk_size,
-                                         recompute=self.recompute_loss(rows.numel(), weight.shape[0]),
-                                         **self.teacher(features, 1, rows, self.train_rows, self.to_train_row))
+            ce = self.distribution_loss(pred, weight, bias,
+                                        self.teacher(features, 1, rows, self.train_rows, self.to_train_row),
+                                        self.recompute_loss(rows.numel(), weight.shape[0]))
             loss = self.feature_loss_weight * feature_loss + self.ce_loss_weight * ce
             return loss, {"feature_loss": feature_loss.detach(), "ce": ce.detach()}
         outs = self.drafter.ttt_hidden(ids, feats, self.embed, steps=self.ttt_steps)
@@ -197,8 +197,7 @@ class EagleModule(DrafterModule):
             n = T - 2 - i
             states = self.drafter.norm(outs[i][:, :n]).reshape(-1, outs[i].shape[-1])[rows]
             teacher = self.teacher(features, 1 + i, rows, draft_rows, to_draft, version)
-            ce = projected_cross_entropy(states, self.drafter.lm_head.weight, None, chunk_size=self.loss_chunk_size,
-                                         recompute=recompute, **teacher)
+            ce = self.distribution_loss(states, self.drafter.lm_head.weight, None, teacher, recompute)
             parts[f"step{i + 1}_ce"] = ce.detach()
             total = total + self.step_decay ** i * ce
         return total, parts

@@ -270,3 +270,53 @@ def projected_topk(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         logits = F.linear(flat[start:start + chunk_size].to(weight.dtype), weight, bias)
         out[start:start + chunk_size] = logits.topk(k, dim=-1).indices
     return out.view(*states.shape[:-1], k)
+
+
+# -- acceptance-targeted losses (LK, arXiv 2602.23881), for every family ----------------------------------------------
+TOKEN_LOSSES = ("ce", "lk_alpha", "lk_hybrid")
+
+
+def teacher_distribution(teacher: dict, vocab: int) -> torch.Tensor:
+    """(N, V') fp32 probabilities of a :meth:`~spectrain.train.base.DrafterModule.teacher` dict over the projected rows:
+    the dense teacher's softmax, or the sparse top-k scattered into its rows (zero elsewhere)."""
+    if "sparse_ids" in teacher:
+        ids, probs = teacher["sparse_ids"], teacher["sparse_probs"]
+        out = probs.new_zeros(ids.shape[0], vocab)
+        return out.scatter_add_(1, ids.clamp_min(0), probs * (ids >= 0))
+    states, weight, bias = teacher["teacher_states"], teacher["teacher_weight"], teacher["teacher_bias"]
+    with torch.no_grad():
+        return F.linear(states.to(weight.dtype), weight, bias).float().softmax(-1)
+
+
+def acceptance_loss(logp: torch.Tensor, q: torch.Tensor, kind: str, eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row LK losses of a drafter's log-probabilities ``logp`` (N, V') against the verifier's ``q`` (N, V').
+
+    alpha = sum min(p, q) is the probability that a draft sampled from p is accepted. ``lk_alpha``: -log alpha;
+    ``lk_hybrid``: lam * KL(q || p) + (1 - lam) * (1 - alpha) with lam = exp(-eta * alpha) detached (KL while
+    acceptance is low, the acceptance gap itself once it is high; speculators' ``lk_hybrid``, eta = 3).
+    Returns (loss (N,), alpha (N,)).
+    """
+    alpha = torch.minimum(logp.exp(), q).sum(-1)
+    if kind == "lk_alpha":
+        return -alpha.clamp_min(1e-5).log(), alpha
+    if kind != "lk_hybrid":
+        raise ValueError(f"unknown acceptance loss {kind!r}")
+    lam = torch.exp(-eta * alpha).detach()
+    kl = (q * (q.clamp_min(1e-12).log() - logp)).sum(-1)
+    return lam * kl + (1 - lam) * (1 - alpha), alpha
+
+
+def projected_token_loss(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: dict,
+                         kind: str, eta: float = 3.0, **ce_options) -> torch.Tensor:
+    """The token loss of a drafter family: ``ce`` (:func:`projected_cross_entropy` against ``teacher``, chunked as
+    memory needs) or an LK loss (the logits over the projected rows kept whole: train with a training vocabulary
+    on large ones). Mean over rows."""
+    if kind == "ce":
+        return projected_cross_entropy(states, weight, bias, **teacher, **ce_options)
+    if states.shape[0] == 0:
+        return states.sum() * 0
+    logp = F.linear(states.to(weight.dtype), weight, bias).float().log_softmax(-1)
+    q = teacher_distribution(teacher, weight.shape[0])
+    loss, _ = acceptance_loss(logp, q, kind, eta)
+    has_mass = q.sum(-1) > 0  # a sparse teacher that kept none of its tokens: nothing to compare (CE gives 0 too)
+    return (loss * has_mass).sum() / has_mass.sum().clamp_min(1)

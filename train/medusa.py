@@ -47,6 +47,9 @@ class MedusaModule(DrafterModule):
             raise SpectrainError(f"model.num_layers must be >= 0, got {num_layers}")
         if target not in ("ground_truth", "greedy", "soft"):
             raise SpectrainError(f"model.target must be ground_truth, greedy or soft, got {target!r}")
+        if target != "soft" and kwargs.get("token_loss", "ce") != "ce":
+            raise SpectrainError(f"model.token_loss {kwargs['token_loss']} compares the heads' distributions with the "
+                                 "verifier's: it needs model.target soft")
         self.num_heads, self.num_layers, self.shared_lm_head = num_heads, num_layers, shared_lm_head
         self.target, self.loss_decay = target, loss_decay
         super().__init__(**kwargs)
@@ -115,8 +118,8 @@ class MedusaModule(DrafterModule):
             if targets is not None:
                 loss = projected_cross_entropy(flat, weight, bias, target_ids=targets, **common)
             else:  # q at position t+k+1, over the same rows as the head's projection
-                loss = projected_cross_entropy(flat, weight, bias, **common,
-                                               **self.teacher(features, k + 1, rows, self.train_rows, to_row))
+                loss = self.distribution_loss(flat, weight, bias,
+                                              self.teacher(features, k + 1, rows, self.train_rows, to_row), recompute)
             parts[f"head{k + 1}_loss"] = loss.detach()
             total = total + self.loss_decay ** k * loss
         if to_row is not None and self.target != "soft":
