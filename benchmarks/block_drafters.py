@@ -36,6 +36,8 @@ from spectrain.heads.formats import export_drafter
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
 
+from draft_heads import pairs  # benchmarks/ is the script's directory: on sys.path
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -54,16 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--out", default="runs/bench/block_drafters.json")
     return p.parse_args(argv)
-
-
-def pairs(specs: list[str], what: str) -> dict[str, str]:
-    out = {}
-    for spec in specs:
-        name, sep, value = spec.partition("=")
-        if not sep or not name or not value:
-            raise SpectrainError(f"{what} takes NAME=VALUE, got {spec!r}")
-        out[name] = value
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

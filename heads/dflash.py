@@ -33,7 +33,7 @@ from torch import nn
 
 from .errors import SpectrainError
 from .families import DrafterFamily, ServingFormat, register_family
-from .io import load_tensors, read_json, save_tensors, write_json
+from .io import checked_state, read_json, save_tensors, write_json
 from .layers import RMSNorm, SwiGLU, apply_rotary, rotary_cos_sin
 from .medusa import check_compatible
 
@@ -349,16 +349,7 @@ class DFlashDrafter(nn.Module):
         if verifier_model is not None:
             check_verifier(config, verifier_model, str(path))
         drafter = cls(config)
-        state = load_tensors(path / "model.safetensors")
-        expected = drafter.state_dict()
-        if set(state) != set(expected):
-            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-            raise SpectrainError(f"{path}/model.safetensors does not match its config: missing {missing[:4]}, "
-                                 f"unexpected {extra[:4]}")
-        wrong = [k for k, v in state.items() if v.shape != expected[k].shape]
-        if wrong:
-            raise SpectrainError(f"{path}/model.safetensors has tensors of the wrong shape for its config: {wrong[:4]}")
-        drafter.load_state_dict(state)
+        drafter.load_state_dict(checked_state(path / "model.safetensors", drafter.state_dict()))
         return drafter.to(device)
 
 

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import SpectrainError
 from .families import DrafterFamily, register_family
-from .io import load_tensors, read_json, save_tensors, write_json
+from .io import checked_state, read_json, save_tensors, write_json
 from .layers import (Attention, RMSNorm, SwiGLU, apply_rotary, causal_mask,  # noqa: F401  (re-exported)
                      rotary_cos_sin)
 from .medusa import check_compatible
@@ -621,15 +621,7 @@ class EagleDrafter(nn.Module):
         if verifier_model is not None:
             _check_verifier(config, verifier_model, str(path))
         drafter = cls(config)
-        state = load_tensors(path / "model.safetensors")
-        expected = drafter.state_dict()
-        if set(state) != set(expected):
-            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-            raise SpectrainError(f"{path}/model.safetensors does not match its config: missing {missing[:4]}, "
-                                 f"unexpected {extra[:4]}")
-        wrong = [k for k, v in state.items() if v.shape != expected[k].shape]
-        if wrong:
-            raise SpectrainError(f"{path}/model.safetensors has tensors of the wrong shape for its config: {wrong[:4]}")
+        state = checked_state(path / "model.safetensors", drafter.state_dict())
         if config.variant == "eagle3":
             check_vocab_map(state["d2t"], state["t2d"], config.vocab_size, config.draft_vocab_size)
         drafter.load_state_dict(state)

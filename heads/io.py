@@ -128,3 +128,16 @@ def load_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") ->
         return load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as e:
         raise SpectrainError(f"{path} is not a readable safetensors file: {e}") from None
+
+
+def checked_state(path: str | os.PathLike, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path``, refused unless their names and shapes are ``expected``'s (a
+    module's ``state_dict()``): missing, unexpected and mis-shaped names are given in the message."""
+    state = load_tensors(path)
+    if set(state) != set(expected):
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        raise SpectrainError(f"{path} does not match its config: missing {missing[:4]}, unexpected {extra[:4]}")
+    wrong = [k for k, v in state.items() if v.shape != expected[k].shape]
+    if wrong:
+        raise SpectrainError(f"{path} has tensors of the wrong shape for its config: {wrong[:4]}")
+    return state
