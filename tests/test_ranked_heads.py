@@ -153,7 +153,7 @@ def test_resolve_draft_vocab(tmp_path, bigram):
     assert resolve_draft_vocab(heads, None, 300) == (None, 300)
     with pytest.raises(SpectrainError, match="vocab_ranking.json"):
         resolve_draft_vocab(heads, 100, 300)
-    with pytest.raises(SpectrainError, match="Medusa or EAGLE-1"):
+    with pytest.raises(SpectrainError, match="applies to a learned drafter"):
         resolve_draft_vocab(None, 100, 300)
 
 
