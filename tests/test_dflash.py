@@ -7,14 +7,11 @@ distribution (χ², with a negative control); every loss trains; a trained run e
 
 from __future__ import annotations
 
-import collections
-import types
 
 import lightning as L
 import pytest
 import torch
 
-from spectrain.eval.accept import Sampling
 from spectrain.eval.decode import generate
 from spectrain.eval.dflash import ContextCache, DFlashChainDrafter, DFlashTreeDrafter
 from spectrain.eval.drafters import Autoregressive, HybridDrafter
@@ -23,6 +20,7 @@ from spectrain.heads.dflash import DFlashConfig, DFlashDrafter, default_target_l
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.families import family_of
 from tests.eval_helpers import bigram_verifier
+from tests.test_ranked_heads import p_values  # the round's first and second tokens, chi-square each
 
 PROMPT = [3, 17, 42, 7]
 
@@ -163,8 +161,6 @@ def test_greedy_block_drafts_equal_ar(bigram, kw, ranked):
     assert 0 < hybrid.lookup_rounds < hybrid.rounds
 
 
-SAMPLING = Sampling(temperature=1.0)
-DRAWS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -173,20 +169,6 @@ def soft():
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(0.1)
     return model
-
-
-def _p_values(model, drafter) -> list[float]:
-    from tests.test_ranked_heads import chi_square_p, q_after
-
-    runner = StaticCausalLM(model, max_len=32)
-    g = torch.Generator().manual_seed(0)
-    draws = [tuple(generate(runner, drafter, PROMPT, 3, SAMPLING, generator=g).tokens[:3]) for _ in range(DRAWS)]
-    first = collections.Counter(d[0] for d in draws).most_common(1)[0][0]
-    seconds = collections.Counter(d[1] for d in draws if d[0] == first)
-    second = seconds.most_common(1)[0][0]
-    thirds = collections.Counter(d[2] for d in draws if d[:2] == (first, second))
-    return [chi_square_p(seconds, q_after(model, PROMPT + [first])),
-            chi_square_p(thirds, q_after(model, PROMPT + [first, second]))]
 
 
 def _soft_vocab(model) -> torch.Tensor:
@@ -201,7 +183,7 @@ def _soft_vocab(model) -> torch.Tensor:
 def test_sampled_block_drafts_follow_the_verifier_distribution(soft, kw, dynamic):
     drafter = oracle(soft, 2, _soft_vocab(soft), dynamic=dynamic, **kw)
     drafter.noise = 0.5
-    assert min(_p_values(soft, drafter)) > 1e-3  # two tests per case; the negative control below gives < 1e-6
+    assert min(p_values(soft, drafter)) > 1e-3  # two tests per case; the negative control below gives < 1e-6
 
 
 def test_p_scattered_into_the_wrong_columns_is_detected(soft, monkeypatch):
@@ -210,7 +192,7 @@ def test_p_scattered_into_the_wrong_columns_is_detected(soft, monkeypatch):
         p, (0, self.vocab_size - p.shape[1])))
     drafter = oracle(soft, 2, _soft_vocab(soft))
     drafter.noise = 0.5
-    assert min(_p_values(soft, drafter)) < 1e-6
+    assert min(p_values(soft, drafter)) < 1e-6
 
 
 def _batches(n: int, vocab: int, seed: int) -> list[dict]:
@@ -279,8 +261,6 @@ def test_measure_k_beyond_the_block_is_refused(verifier_factory):
         DFlashModule(verifier=str(verifier_factory("llama", False, layers=4)), verifier_dtype="float32",
                      block_size=4, measure_prompts=2, measure_k=5)
 
-
-_ = types  # (kept for monkeypatch-free helpers)
 
 
 @pytest.mark.parametrize("kw,fmt", [({}, "speculators-dflash"),
