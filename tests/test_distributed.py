@@ -340,6 +340,11 @@ def _validation_worker(rank: int, world: int, store: str, verifier: str, out: st
 
     import torch.distributed as dist
 
+    # Imported before the group exists, as a real program does: torch.distributed.fsdp imported after
+    # init_process_group keeps the default group alive past destroy_process_group (torch 2.13), and its gloo
+    # threads, still joinable at exit, abort the process ("terminate called without an active exception").
+    import spectrain.train.medusa  # noqa: F401
+
     # A rank left out of a collective would hang the others: the timeout turns that into a failure.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
