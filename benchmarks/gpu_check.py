@@ -6,6 +6,8 @@ Needs only torch, transformers, lightning and safetensors (plus this package ins
 
     python benchmarks/gpu_check.py                 # on a CUDA machine, about 3-4 minutes
     python benchmarks/gpu_check.py --small --device cpu   # the same path, tiny sizes (tested in CI)
+    python benchmarks/gpu_check.py --family gemma2  # the verifier of another family (FAMILY_OPTIONS): decoded
+                                                    # through its own layers (--decoder layers)
 
 Targets: our AR loop >= HF static-cache compiled ``generate()`` tokens/s; spec speedup >= 85% of the
 ideal implied by tau and the isolated costs; greedy identity in fp32; bf16 divergences reported with the
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from spectrain.heads.errors import run_command
+from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.data.bundled import bundled_text_path, split_text, train_tokenizer
 from spectrain.data.text import tokenize_lines
 from spectrain.eval.evaluate import evaluate_drafter, load_drafter
@@ -32,6 +34,19 @@ from spectrain.eval.prompts import load_prompts
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.schedule import cosine_with_warmup
 from spectrain.heads.verifier import load_verifier
+
+# What each family's verifier sets beyond the shared sizes (small experts, windows that bind within a prompt).
+FAMILY_OPTIONS = {
+    "llama": {}, "qwen2": {}, "qwen3": {}, "phi3": {}, "olmo2": {},
+    "mistral": {"sliding_window": 64},
+    "gemma2": {"sliding_window": 64, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": {"sliding_window": 64, "final_logit_softcapping": 30.0},
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015,
+                "logits_scaling": 4.0},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": "inter/4"},
+    "gpt_oss": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 64,
+                "layer_types": "alternating", "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
+}
 
 SIZES = {  # the verifier: hidden, layers, heads, intermediate, steps, batch, block (the heads: configs/, RECIPE)
     "full": (576, 8, 9, 1536, 1500, 64, 256),
@@ -50,20 +65,37 @@ def autocast(device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def train_verifier(out: Path, size: str, device, log) -> tuple[Path, dict]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def verifier_config(family: str, vocab_size: int, hidden: int, layers: int, heads: int, inter: int, tok):
+    """The check's verifier: ``family``'s config at the shared sizes plus :data:`FAMILY_OPTIONS`."""
+    from transformers import AutoConfig
+
+    if family not in FAMILY_OPTIONS:
+        raise SpectrainError(f"--family must be one of {', '.join(FAMILY_OPTIONS)}, not {family!r}")
+    options = dict(FAMILY_OPTIONS[family])
+    if options.get("moe_intermediate_size") == "inter/4":
+        options["moe_intermediate_size"] = inter // 4
+    if options.get("layer_types") == "alternating":
+        options["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if family.startswith("gemma"):
+        options["query_pre_attn_scalar"] = hidden // heads
+    return AutoConfig.for_model(family, vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter,
+                                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                head_dim=hidden // heads, max_position_embeddings=2048, tie_word_embeddings=True,
+                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, **options)
+
+
+def train_verifier(out: Path, size: str, device, log, family: str = "llama") -> tuple[Path, dict]:
+    from transformers import AutoModelForCausalLM
 
     hidden, layers, heads, inter, steps, batch, block = SIZES[size]
     train_text, val_text = split_text(bundled_text_path().read_text())
     tok = train_tokenizer(train_text, 2048)
     train_ids = torch.tensor(tokenize_lines(tok, train_text.splitlines(keepends=True)))
     val_ids = torch.tensor(tokenize_lines(tok, val_text.splitlines(keepends=True)))
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = verifier_config(family, len(tok), hidden, layers, heads, inter, tok)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device)
+    model = AutoModelForCausalLM.from_config(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     data = batches(train_ids, batch, block, torch.Generator().manual_seed(0), device)
     t0 = time.time()
@@ -90,8 +122,8 @@ def train_verifier(out: Path, size: str, device, log) -> tuple[Path, dict]:
                      for i in range(0, n, 32)) / y.numel()
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    info = {"parameters": sum(p.numel() for p in model.parameters()), "steps": steps, "val_cross_entropy": val_ce,
-            "train_seconds": time.time() - t0}
+    info = {"family": family, "parameters": sum(p.numel() for p in model.parameters()), "steps": steps,
+            "val_cross_entropy": val_ce, "train_seconds": time.time() - t0}
     return out, info
 
 
@@ -180,6 +212,8 @@ def _main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny sizes, for testing the path on a CPU")
+    p.add_argument("--family", default="llama", choices=sorted(FAMILY_OPTIONS),
+                   help="the verifier's family (llama: our hand-written decoder; the others: their own layers)")
     p.add_argument("--out", default="runs/gpu_check")
     p.add_argument("--num_prompts", type=int, default=8)
     p.add_argument("--max_new_tokens", type=int, default=256)
@@ -198,7 +232,7 @@ def _main(argv: list[str] | None = None) -> Path:
         print(msg, flush=True)
 
     t0 = time.time()
-    verifier_dir, verifier_info = train_verifier(out / "verifier", size, device, log)
+    verifier_dir, verifier_info = train_verifier(out / "verifier", size, device, log, args.family)
     heads_info = train_heads(verifier_dir, out / "heads", size, device, log)
 
     def measure(dtype: torch.dtype, num_prompts: int, max_new_tokens: int, **options) -> dict:
@@ -225,11 +259,13 @@ def _main(argv: list[str] | None = None) -> Path:
     }
     summary = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d"), "size": size, "verifier": verifier_info, "heads": heads_info,
+               "decoder": fast["decoder"],
                "bf16": {"results": r, "hf_generate": hf, "costs": fast["costs"], "planner": fast["planner"]},
                "fp32": {k: {"tau": v["tau"], "identical_to_ar": v.get("identical_to_ar")} for k, v in exact["results"].items()},
                "checks": checks, "wall_seconds": time.time() - t0}
     table = format_table(["setting", "tau", "tok/s", "ms/token", "speedup", "ideal", "speedup/ideal"], rows,
-                         title=f"GPU check on {summary['device']}: {verifier_info['parameters'] / 1e6:.1f}M verifier, "
+                         title=f"GPU check on {summary['device']}: {verifier_info['parameters'] / 1e6:.1f}M "
+                               f"{args.family} verifier (decoder: {fast['decoder']}), "
                                f"batch 1, {args.max_new_tokens} new tokens")
     # Correctness must hold everywhere; the speed targets are GPU targets (a CPU run reports them unless
     # --speed_checks on).

@@ -34,7 +34,7 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.host_memory import keep_freed_memory
 from spectrain.heads.errors import run_command
 from spectrain.heads.io import load_tensors, read_json, save_tensors, sha256_files, write_json
-from spectrain.heads.verifier import verifier_signature
+from spectrain.heads.verifier import verifier_logits, verifier_signature
 
 FORMAT_VERSION = 2
 LAYOUT = "packed"
@@ -161,18 +161,6 @@ def extract(verifier, rows, out_dir: str | Path, layer_ids: tuple[int, ...], dat
     return out
 
 
-def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The verifier's next-token logits for (P, H) final hidden states, as its forward computes them."""
-    head = model.get_output_embeddings()
-    logits = torch.nn.functional.linear(hidden, head.weight, getattr(head, "bias", None))
-    config = model.config
-    if getattr(config, "logits_scaling", None):  # Granite
-        logits = logits / config.logits_scaling
-    if getattr(config, "final_logit_softcapping", None):  # Gemma 2/3
-        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
-    return logits
-
-
 @torch.no_grad()
 def _features_of(chunk, model, layer_ids, dtype, batch_size, pad_id, device, topk, verifier_features) -> dict:
     """One shard's tensors, packed: rows sorted by length, batched, padded per batch, scattered back in order."""
@@ -211,7 +199,7 @@ def _features_of(chunk, model, layer_ids, dtype, batch_size, pad_id, device, top
         if layers:
             out["aux"][dest] = torch.cat(layers, -1)[real].to(dtype).cpu()
         for c in range(0, len(dest), chunk_rows):
-            logits = _logits(model, last[c:c + chunk_rows])  # the verifier's own dtype: its greedy token
+            logits = verifier_logits(model, last[c:c + chunk_rows])  # the verifier's own dtype: its greedy token
             where = dest[c:c + chunk_rows]
             out["greedy"][where] = logits.argmax(-1).to(torch.int32).cpu()
             if topk:  # log-softmax in fp32: bf16 over a large vocabulary loses the tail

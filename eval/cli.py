@@ -74,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode so that a token's numbers do not depend on how many tokens a forward runs beside it "
                         "(static attention span, fixed-size attention calls, no 1-row matmuls): bf16 chains then "
                         "equal bf16 AR token for token. auto: on in bf16/fp16 on a CPU, off on CUDA and in fp32")
+    p.add_argument("--decoder", default="auto", choices=["auto", "llama", "layers"],
+                   help="the verifier's forward over our KV cache: llama (our hand-written Llama / Mistral / Qwen2 / "
+                        "Qwen3 layer), layers (the model's own decoder layers: any family whose layers take a cache "
+                        "and a 4-D mask), auto (llama where it applies, else layers)")
     p.add_argument("--draft_vocab", type=int, default=None, metavar="N",
                    help="Medusa / EAGLE-1 / DFlash: draft over the N most frequent tokens of the drafter's training data "
                         "(its vocab_ranking.json); 0 = the full vocabulary. Default: the vocabulary it trained over "
@@ -133,7 +137,7 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     if args.method == "draft-model":
         draft_model = load_draft_model(args.draft_model, verifier, args.device)
     result = evaluate_drafter(verifier, prompts, drafter=drafter, draft_model=draft_model, chat_template=chat_template,
-                              hf_generate=args.hf_generate, draft_vocab=args.draft_vocab,
+                              hf_generate=args.hf_generate, draft_vocab=args.draft_vocab, decoder=args.decoder,
                               batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant], **options)
     out_dir = Path(args.out or f"runs/eval/{args.method}-{Path(args.verifier.replace(':', '-')).name}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,6 +189,7 @@ def tables(summary: dict) -> list[str]:
     title = (f"{summary['method']} on {summary['verifier']} — {summary['num_prompts']} prompts, "
              f"T={summary['sampling']['temperature']}, {summary['max_new_tokens']} new tokens, {summary['device']} {summary['dtype']}"
              + (" batch-invariant" if summary.get("batch_invariant") else "")
+             + (f"; decoder: {summary['decoder']}" if summary.get("decoder") else "")
              + (f"; draft vocabulary {summary['draft_vocab']}" if summary.get("draft_vocab") else "")
              + (f"; HF generate(): {hf['tokens_per_second']:.1f} tok/s" if hf else ""))
     out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup", "ideal", "draft/verify", "distinct-4",

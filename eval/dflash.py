@@ -19,6 +19,7 @@ from torch import nn
 
 from spectrain.heads.dflash import DFlashDrafter
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.verifier import drafter_embedding
 
 from .accept import sample, target_probs
 from .drafters import DraftState, Drafter, Proposal, check_draft_vocab, grow_dynamic_tree
@@ -73,7 +74,7 @@ class DFlashChainDrafter(Drafter):
                                  f"not {k}")
         super().__init__(Tree.chain(k))
         self.drafter, self.k, self.config = drafter, k, config
-        self.embed = verifier_model.get_input_embeddings()
+        self.embed = drafter_embedding(verifier_model)
         lm_head = verifier_model.get_output_embeddings()
         self.vocab_size = config.vocab_size
         vocab = check_draft_vocab(vocab, self.vocab_size)

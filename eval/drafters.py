@@ -16,6 +16,7 @@ import torch
 
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.verifier import drafter_embedding
 
 from .accept import Sampling, sample, target_probs
 from .static_model import StaticCausalLM
@@ -476,7 +477,7 @@ class EagleChainDrafter(Drafter):
     def __init__(self, drafter, verifier_model, k: int, vocab: torch.Tensor | None = None):
         super().__init__(Tree.chain(k))
         self.drafter, self.k = drafter, k
-        self.embed = verifier_model.get_input_embeddings()
+        self.embed = drafter_embedding(verifier_model)
         self.lm_head = verifier_model.get_output_embeddings()
         self.vocab_size = drafter.config.vocab_size
         vocab = check_draft_vocab(vocab, self.vocab_size)

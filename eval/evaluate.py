@@ -117,6 +117,7 @@ class EvalResult:
     hf_generate: dict | None = None
     compile: dict | None = None
     eval_seconds: float = 0.0
+    decoder: str = "llama"
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -481,7 +482,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, chat_template: bool | None = None,
                      compile: bool = False, hf_generate: int = 3, costs: bool = True,
                      reference: list[dict] | None = None, max_len: int | None = None, seed: int = 0,
-                     batch_invariant: bool | None = None, draft_vocab: int | None = None) -> EvalResult:
+                     batch_invariant: bool | None = None, draft_vocab: int | None = None,
+                     decoder: str = "auto") -> EvalResult:
     """Decode ``prompts`` with AR and with every drafting setting the arguments name; measure τ, α, speed.
 
     Args:
@@ -514,6 +516,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         draft_vocab: Medusa / EAGLE-1 / DFlash: draft over the N most frequent tokens of the drafter's training data
             (its ``vocab_ranking.json``); 0 = the full vocabulary; None = the vocabulary it trained over (full
             when it records none). Verification is always over the full vocabulary.
+        decoder: the verifier's forward — ``llama`` (our hand-written Llama-family layer), ``layers`` (the
+            model's own decoder layers over our cache: any family) or ``auto`` (``llama`` where it applies).
     """
     if method == "none":  # AR only: no chain, no costs to probe, nothing to plan
         k, costs = 0, False
@@ -556,7 +560,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
     captured = evaluator.capture(drafter) if evaluator else ()
     rank_trees = bool(evaluator and evaluator.rank_trees)
     runner = StaticCausalLM(model, max_len=max_len, device=device, static=True if compile else None,
-                            batch_invariant=batch_invariant)
+                            batch_invariant=batch_invariant, path=decoder)
     compile_seconds = None
     if compile:  # every size compiled and warmed up here, before anything is timed
         runner.capture = captured  # kept by every drafter's run: one set of graphs
@@ -623,7 +627,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         per_prompt=per_prompt, costs=cost_table if costs else None, planner=planner, calibration=calibration,
         hf_generate=hf, compile=None if compile_seconds is None else {"seconds": compile_seconds,
                                                                        "buckets": list(runner.buckets)},
-        eval_seconds=time.time() - t0)
+        eval_seconds=time.time() - t0, decoder=runner.path)
 
 
 def plan_speedups(s: Settings, results: dict, trees: dict, runner, model, learned, draft_model, max_len: int,

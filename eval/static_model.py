@@ -1,8 +1,11 @@
 """The verifier (or a draft model) run over its HF weights with a preallocated KV cache.
 
 HF's own cache classes differ between transformers releases and cannot drop the
-rejected entries of a tree. This module runs the same weights with our own
-forward (Llama, Mistral, Qwen2 and Qwen3 decoder layers) so that:
+rejected entries of a tree. This module runs the same weights over our own cache,
+by one of two paths: a hand-written forward of the Llama-family decoder layer
+(Llama, Mistral, Qwen2, Qwen3: ``path="llama"``), or the model's own decoder
+layers through our cache, masks and attention function (any other family:
+``path="layers"``, :mod:`spectrain.eval.native`). Either way:
 
 * K/V live in buffers allocated once (per layer: kv_heads x max_len x head_dim);
 * a forward writes its n new tokens at cache slots ``length .. length+n-1`` and
@@ -24,9 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spectrain.eval.native import LayerPath, unserved_reason
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.verifier import LogitTransform
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # the hand-written path's families
+PATHS = ("auto", "llama", "layers")
 ATTENTION_ROWS = 16  # query rows per attention call in batch-invariant decoding
 
 
@@ -53,12 +59,16 @@ class KVCache(nn.Module):
                 self.register_buffer(f"{kind}{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
                 bufs.append(getattr(self, f"{kind}{i}"))
         self.max_len = max_len
+        # The rotary position of the token in each slot: what sliding windows are measured in (the model's own
+        # layers path writes it at every forward; a committed slot's is its index once compacted).
+        self.register_buffer("positions", torch.arange(max_len, device=device), persistent=False)
 
     def compact(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move entries at ``src_slots`` (ascending) to ``dst_start, dst_start+1, ...``."""
         dst = torch.arange(dst_start, dst_start + src_slots.numel(), device=src_slots.device)
         for buf in self.k + self.v:
             buf.index_copy_(2, dst, buf.index_select(2, src_slots))
+        self.positions.index_copy_(0, dst, self.positions.index_select(0, src_slots))
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -106,37 +116,72 @@ def default_batch_invariant(device: torch.device | str, dtype: torch.dtype) -> b
     return torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
+def binding_window(config, max_len: int) -> int | None:
+    """The sliding window some layer of the model applies within ``max_len`` tokens, or None. Mistral's layers apply
+    ``sliding_window`` whatever its ``layer_types`` say (its modeling never reads them)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types and config.model_type != "mistral":
+        sliding = "sliding_attention" in types
+    else:
+        sliding = getattr(config, "use_sliding_window", True) is not False
+    return window if window and sliding and window < max_len else None
+
+
+def choose_path(config, max_len: int, path: str = "auto") -> str:
+    """``llama`` (the hand-written layer) or ``layers`` (the model's own) for a model and a run's length."""
+    if hasattr(config, "get_text_config") and config.get_text_config() is not config:
+        raise SpectrainError(f"cannot decode {config.model_type!r}: a multimodal wrapper (its config nests a text "
+                             "config); load the text model alone as the verifier (its *ForCausalLM class)")
+    if path not in PATHS:
+        raise SpectrainError(f"decoder path must be one of {', '.join(PATHS)}, not {path!r}")
+    window = binding_window(config, max_len)
+    llama_ok = config.model_type in SUPPORTED and window is None
+    if path == "llama" and not llama_ok:
+        why = (f"{config.model_type!r} is not one of {', '.join(SUPPORTED)}" if config.model_type not in SUPPORTED
+               else f"its sliding window of {window} tokens is shorter than the {max_len} this run needs")
+        raise SpectrainError(f"the hand-written Llama-family decoder cannot run this model: {why} "
+                             "(--decoder layers runs the model's own layers)")
+    if path == "auto":
+        return "llama" if llama_ok else "layers"
+    return path
+
+
 class StaticCausalLM:
-    """Forward of an HF Llama-family causal LM over a :class:`KVCache`.
+    """Forward of an HF causal LM over a :class:`KVCache`.
 
     ``length`` counts the committed tokens in the cache (host int: it changes
-    once per decode round, after the round's single host sync).
+    once per decode round, after the round's single host sync). ``path``: ``auto`` (the hand-written
+    Llama-family layer where it applies, else the model's own layers), ``llama`` or ``layers``.
     """
 
     def __init__(self, model, max_len: int, device: torch.device | str | None = None, static: bool | None = None,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, path: str = "auto"):
         config = model.config
-        if config.model_type not in SUPPORTED:
-            raise SpectrainError(f"the static-cache decoder supports {', '.join(SUPPORTED)} models, "
-                                 f"not {config.model_type!r}")
-        window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", True) and window < max_len:
-            raise SpectrainError(f"{config.model_type} uses a sliding window of {window} tokens, shorter than the "
-                                 f"{max_len} tokens this run needs")
+        self.path = choose_path(config, max_len, path)
+        reason = unserved_reason(model) if self.path == "layers" else None
+        if reason is not None:
+            raise SpectrainError(f"cannot decode {config.model_type!r}: {reason}")
         limit = getattr(config, "max_position_embeddings", None)
         if limit and max_len > limit:
             raise SpectrainError(f"prompt + new tokens + draft need {max_len} positions but the model's context "
                                  f"is {limit}")
         self.model = model
-        self.inner = model.model
+        self.inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.lm_head = model.get_output_embeddings()
+        self.logit_transform = LogitTransform.of(config)
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = param.dtype
         attn = self.inner.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
-        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(attn, "head_dim", None) or getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        value_dim = getattr(config, "v_head_dim", None)
+        if value_dim and value_dim != self.head_dim:
+            raise SpectrainError(f"cannot decode {config.model_type!r}: its values are {value_dim} wide and its keys "
+                                 f"{self.head_dim} (latent attention); the cache holds keys and values of one width")
         # Batch-invariant (a row's numbers do not depend on how many rows run beside it): what makes bf16
         # speculative output equal bf16 AR output token for token. It needs a fixed attention span (static
         # shapes) and attention in calls of a fixed row count (grouped_attention's ``rows``). Default: on for
@@ -158,6 +203,9 @@ class StaticCausalLM:
         self.width = max_len + 1 if self.static else max_len
         self.cache = KVCache(len(self.inner.layers), self.kv_heads, self.width, self.head_dim, self.dtype, self.device)
         self.max_len = max_len
+        # The model's own layers through our cache, masks and attention function (refused with the reason when
+        # they cannot take them); None on the hand-written path.
+        self.layers = LayerPath(model, self.cache, self.attention_rows) if self.path == "layers" else None
         self.buckets: tuple[int, ...] = ()  # the compiled forward sizes (static runs; see compile())
         self._compiled = None
         self._padding: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -196,6 +244,12 @@ class StaticCausalLM:
         n = input_ids.shape[0]
         if self.length + n > self.max_len:
             raise SpectrainError(f"KV cache overflow: {self.length} + {n} tokens > max_len {self.max_len}")
+        if self.layers is None:
+            return self._forward(input_ids, positions, mask, n)
+        with self.layers.active():  # our attention function on the model's layers while this forward runs
+            return self._forward(input_ids, positions, mask, n)
+
+    def _forward(self, input_ids, positions, mask, n):
         slots = torch.arange(self.length, self.length + n, device=self.device)
         if positions is None:
             positions = slots
@@ -240,6 +294,8 @@ class StaticCausalLM:
     def _forward_layers(self, input_ids, positions, mask, slots, span):
         """The forward as a pure function of tensors (CUDA: ``span == max_len``, so shapes depend on n only):
         (n, H) final hidden states and the captured layers (n, len(capture) * H), or None."""
+        if self.layers is not None:
+            return self.layers.forward(input_ids, positions, mask, slots, span, self.capture)
         x = self.inner.embed_tokens(input_ids)[None]  # (1, n, H)
         cos, sin = self.inner.rotary_emb(x, positions[None])
         cos, sin = cos[:, None], sin[:, None]  # (1, 1, n, d)
@@ -317,10 +373,13 @@ class StaticCausalLM:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., V) in fp32 (batch-invariant: a single row runs as 2, like the layers' matmuls)."""
+        """(..., H) -> (..., V) in fp32, as the model's head computes them (its family's :class:`LogitTransform`,
+        in fp32); batch-invariant: a single row runs as 2, like the layers' matmuls."""
         if self.min_rows > 1 and hidden.dim() == 2 and hidden.shape[0] == 1:
-            return self.lm_head(torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])]))[:1].float()
-        return self.lm_head(hidden).float()
+            logits = self.lm_head(torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])]))[:1].float()
+        else:
+            logits = self.lm_head(hidden).float()
+        return logits if self.logit_transform.identity else self.logit_transform(logits)
 
     # -- cache bookkeeping ------------------------------------------------------------------------------------------
     def commit(self, n: int, src_slots: torch.Tensor | None = None) -> None:

@@ -36,10 +36,10 @@ from .families import DrafterFamily, ServingFormat, register_family
 from .io import checked_state, read_json, save_tensors, write_json
 from .layers import RMSNorm, SwiGLU, apply_rotary, rotary_cos_sin
 from .medusa import check_compatible
+from .verifier import drafter_shape, max_context, verifier_rope
 
 FORMAT_VERSION = 1
 METHODS = ("dflash", "dspark")
-SUPPORTED_VERIFIERS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def default_target_layers(verifier_layers: int, count: int) -> list[int]:
@@ -147,24 +147,16 @@ class DFlashConfig:
                      verifier_name: str = "", tokenizer=None) -> "DFlashConfig":
         """A config whose layers are shaped like ``verifier_model``'s (an HF causal LM)."""
         vc = verifier_model.config
-        if vc.model_type not in SUPPORTED_VERIFIERS:
-            raise SpectrainError(f"DFlash drafters support {', '.join(SUPPORTED_VERIFIERS)} verifiers, "
-                                 f"not {vc.model_type!r}")
         vocab, hidden = verifier_model.get_output_embeddings().weight.shape
-        heads = vc.num_attention_heads
-        rope = getattr(vc, "rope_parameters", None) or getattr(vc, "rope_scaling", None)
-        theta = (rope or {}).get("rope_theta") or getattr(vc, "rope_theta", None) or 10000.0
+        theta, _ = verifier_rope(vc)
         if mask_token_id is None:
             mask_token_id = default_mask_token(tokenizer, vocab)
-        return cls(hidden_size=hidden, vocab_size=vocab, num_hidden_layers=num_layers, num_heads=heads,
-                   num_kv_heads=getattr(vc, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(vc, "head_dim", None) or hidden // heads, intermediate_size=vc.intermediate_size,
+        return cls(hidden_size=hidden, vocab_size=vocab, num_hidden_layers=num_layers, **drafter_shape(vc),
                    verifier_layers=vc.num_hidden_layers,
                    target_layer_ids=list(target_layer_ids) if target_layer_ids is not None else None,
                    block_size=block_size, mask_token_id=mask_token_id, markov_rank=markov_rank,
-                   confidence_head=confidence_head, sample_from_anchor=sample_from_anchor, rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-6)),
-                   rope_theta=float(theta), max_position_embeddings=vc.max_position_embeddings,
-                   verifier=verifier_name)
+                   confidence_head=confidence_head, sample_from_anchor=sample_from_anchor, rope_theta=theta,
+                   max_position_embeddings=max_context(vc), verifier=verifier_name)
 
 
 def default_mask_token(tokenizer, vocab_size: int) -> int:

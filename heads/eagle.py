@@ -38,11 +38,11 @@ from .io import checked_state, read_json, save_tensors, write_json
 from .layers import (Attention, RMSNorm, SwiGLU, apply_rotary, causal_mask,  # noqa: F401  (re-exported)
                      rotary_cos_sin)
 from .medusa import check_compatible
+from .verifier import drafter_shape, max_context, verifier_rope
 from .vocab import build_vocab_map, check_vocab_map, most_frequent  # noqa: F401  (re-exported)
 
 FORMAT_VERSION = 1
 VARIANTS = ("eagle1", "eagle3")
-SUPPORTED_VERIFIERS = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_DRAFT_VOCAB = 32000
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "norm_output")  # eagle3 variants (EagleConfig)
 
@@ -214,22 +214,13 @@ class EagleConfig:
         if unknown:
             raise SpectrainError(f"unknown EAGLE options {unknown}; the variant flags are {list(NORM_FLAGS)}")
         vc = verifier_model.config
-        if vc.model_type not in SUPPORTED_VERIFIERS:
-            raise SpectrainError(f"EAGLE drafters support {', '.join(SUPPORTED_VERIFIERS)} verifiers, "
-                                 f"not {vc.model_type!r}")
         vocab, hidden = verifier_model.get_output_embeddings().weight.shape
-        heads = vc.num_attention_heads
-        rope = getattr(vc, "rope_parameters", None) or getattr(vc, "rope_scaling", None)
-        theta = (rope or {}).get("rope_theta") or getattr(vc, "rope_theta", None) or 10000.0
+        theta, rope = verifier_rope(vc)
         return cls(
             variant=variant, hidden_size=hidden, vocab_size=vocab, draft_vocab_size=draft_vocab_size,
             aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else None,
-            num_hidden_layers=vc.num_hidden_layers, num_heads=heads,
-            num_kv_heads=getattr(vc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(vc, "head_dim", None) or hidden // heads, intermediate_size=vc.intermediate_size,
-            rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-6)), rope_theta=float(theta),
-            rope_scaling=dict(rope) if rope else None, max_position_embeddings=vc.max_position_embeddings,
-            verifier=verifier_name, **norm_flags,
+            num_hidden_layers=vc.num_hidden_layers, **drafter_shape(vc), rope_theta=theta, rope_scaling=rope,
+            max_position_embeddings=max_context(vc), verifier=verifier_name, **norm_flags,
         )
 
 

@@ -239,6 +239,7 @@ def load_verifier(
         raise SpectrainError(f"tokenizer of {name_or_path!r} has {len(tokenizer)} tokens but the model's vocabulary "
                              f"has {vocab}: tokenizer and model do not belong together")
     model.to(device).eval().requires_grad_(False)
+    check_logit_transform(model)
     return Verifier(model=model, tokenizer=tokenizer, name=name_or_path)
 
 
@@ -256,6 +257,99 @@ def verifier_features(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                 logits_to_keep=1, use_cache=False)
     hs = out.hidden_states
     return hs[-1], [hs[i] for i in layer_ids]
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a family's causal-LM head does to ``lm_head(h)`` before it returns logits: ``logits * multiply``,
+    ``/ divide``, then ``softcap * tanh(logits / softcap)`` when ``softcap`` is set — Granite divides by
+    ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2/3 soft-cap with ``final_logit_softcapping``;
+    every other family is the identity (:func:`check_logit_transform` verifies that against the model's own
+    forward when a verifier is loaded). Applied wherever the verifier's q is computed from its hidden states:
+    decoding, the teachers of training, the top-k of a store."""
+
+    multiply: float = 1.0
+    divide: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> "LogitTransform":
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        multiply = float(config.logit_scale) if (getattr(config, "logit_scale", None)
+                                                 and config.model_type.startswith("cohere")) else 1.0
+        divide = float(getattr(config, "logits_scaling", None) or 1.0)  # Granite
+        softcap = getattr(config, "final_logit_softcapping", None)
+        return cls(multiply, divide, float(softcap) if softcap else None)
+
+    @property
+    def identity(self) -> bool:
+        return self.multiply == 1.0 and self.divide == 1.0 and self.softcap is None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiply != 1.0:
+            logits = logits * self.multiply
+        if self.divide != 1.0:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+@torch.no_grad()
+def check_logit_transform(model) -> None:
+    """Refuse a verifier whose head does something to ``lm_head(h)`` that :class:`LogitTransform` does not know:
+    its own forward's logits on a few tokens against ``verifier_logits`` of its final hidden states."""
+    param = next(model.parameters())
+    ids = torch.arange(1, 5, device=param.device)[None] % model.get_output_embeddings().weight.shape[0]
+    out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    own, ours = out.logits[0].float(), verifier_logits(model, out.hidden_states[-1])[0].float()
+    tolerance = (1e-3 if param.dtype == torch.float32 else 2e-2) * max(1.0, float(own.abs().max()))
+    if float((own - ours).abs().max()) > tolerance:
+        raise SpectrainError(f"{model.config.model_type}: the model's logits differ from its lm_head over its final "
+                             f"hidden state by {float((own - ours).abs().max()):.3g} (a logit scaling or cap spectrain "
+                             "does not know), so its q cannot be computed from hidden states")
+
+
+def verifier_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The verifier's next-token logits for (..., H) final hidden states, as its own forward computes them."""
+    head = model.get_output_embeddings()
+    logits = torch.nn.functional.linear(hidden, head.weight, getattr(head, "bias", None))
+    return LogitTransform.of(model.config)(logits)
+
+
+def drafter_embedding(model):
+    """The verifier's embedding table as every drafter reads it: ``ids -> F.embedding(ids, table)``, a plain lookup
+    without the scale some families apply before their first layer (Gemma's √H — inside Gemma 3's embedding module,
+    in Gemma 2's forward —, Granite's ``embedding_multiplier``): vLLM and SGLang embed a drafter's tokens with the
+    target's shared table in the drafter's own (Llama) model, so a drafter trained this way serves as trained. The
+    same function in training and decoding."""
+    weight = model.get_input_embeddings().weight
+    return lambda input_ids: torch.nn.functional.embedding(input_ids, weight)
+
+
+def verifier_rope(config) -> tuple[float, dict | None]:
+    """The verifier's RoPE base and parameters (``rope_parameters`` / ``rope_scaling``); a family with one entry per
+    layer type (Gemma 3: sliding layers at 10K, full ones at 1M) gives its full-attention layers'."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    theta = (rope or {}).get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    return float(theta), (dict(rope) if rope else None)
+
+
+def drafter_shape(config) -> dict:
+    """What a drafter shaped like one of the verifier's layers reads from its config, refused by name when absent:
+    attention heads, KV heads, head width, MLP width, norm epsilon."""
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if not getattr(config, k, None)]
+    if missing:
+        raise SpectrainError(f"the verifier's config ({config.model_type}) has no {', '.join(missing)}: a drafter "
+                             "layer is shaped like one of its decoder layers")
+    heads = config.num_attention_heads
+    return {"num_heads": heads, "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "intermediate_size": config.intermediate_size,
+            "rms_norm_eps": float(getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_eps", None)
+                                  or 1e-6)}
 
 
 def max_context(config) -> int:

@@ -205,7 +205,8 @@ def test_gpu_check_script_cpu_path(tmp_path, monkeypatch, capsys):
     # AR ratio and between the two settings' ratios fail exactly those checks, with exit code 1.
     monkeypatch.setattr(gpu_check, "train_verifier", lambda out, *a: (out, summary["verifier"]))
     monkeypatch.setattr(gpu_check, "train_heads", lambda *a: summary["heads"])
-    fast = {"results": r, "hf_generate": hf, "costs": summary["bf16"]["costs"], "planner": summary["bf16"]["planner"]}
+    fast = {"results": r, "hf_generate": hf, "costs": summary["bf16"]["costs"], "planner": summary["bf16"]["planner"],
+            "decoder": summary["decoder"]}
     monkeypatch.setattr(gpu_check, "evaluate_drafter", lambda verifier, prompts, **kw: SimpleNamespace(
         to_dict=lambda: fast if kw["hf_generate"] else {"results": summary["fp32"]}))
     low, high = sorted(ratios, key=ratios.get)

@@ -33,8 +33,8 @@ from spectrain.heads.families import family_of
 from spectrain.heads.host_memory import keep_freed_memory
 from spectrain.heads.schedule import cosine_with_warmup
 from spectrain.heads.precision import cast_module, resolve_dtype
-from spectrain.heads.verifier import (load_verifier, max_context, save_verifier_signature, verifier_features,
-                                      verifier_identity, verifier_signature)
+from spectrain.heads.verifier import (LogitTransform, load_verifier, max_context, save_verifier_signature,
+                                      verifier_features, verifier_identity, verifier_signature)
 from spectrain.heads.vocab import most_frequent, save_ranking, token_counts
 
 from .losses import (TOKEN_LOSSES, default_memory_budget, logits_bytes, projected_token_loss, projected_topk,
@@ -396,8 +396,9 @@ class DrafterModule(L.LightningModule):
                                         features["topk_logprobs"][:, start:end].reshape(-1, width)[rows], to_projected)
             return {"sparse_ids": ids, "sparse_probs": probs}
         weight, bias = self.frozen_rows(self.verifier_lm_head, projected, version)
+        transform = LogitTransform.of(self.verifier.config)  # q as the verifier's head computes it (soft-cap, scale)
         return {"teacher_states": hidden[:, start:end].reshape(-1, hidden.shape[-1])[rows], "teacher_weight": weight,
-                "teacher_bias": bias}
+                "teacher_bias": bias, "teacher_transform": None if transform.identity else transform}
 
     def distribution_loss(self, states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           teacher: dict, recompute: bool) -> torch.Tensor:

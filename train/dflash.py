@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.verifier import LogitTransform, drafter_embedding
 
 from .base import DrafterModule
 from .losses import acceptance_loss, projected_topk
@@ -206,7 +207,7 @@ class DFlashModule(DrafterModule):
 
     @property
     def embed(self):
-        return self.verifier.get_input_embeddings()
+        return drafter_embedding(self.verifier)
 
     # -- the blocks of a batch --------------------------------------------------------------------------------------
     def blocks(self, batch: dict, features: dict, count: int, greedy_targets: bool,
@@ -313,7 +314,8 @@ class DFlashModule(DrafterModule):
         at = blocks["teacher_at"].reshape(B, -1)
         states = hidden.gather(1, at[..., None].expand(-1, -1, H)).reshape(-1, H)[rows]
         weight, bias = self.frozen_rows(self.verifier_lm_head, self.train_rows)
-        return F.linear(states.to(weight.dtype), weight, bias).float().softmax(-1)
+        logits = LogitTransform.of(self.verifier.config)(F.linear(states.to(weight.dtype), weight, bias))
+        return logits.float().softmax(-1)  # q as the verifier's head computes it (soft-cap, scaling)
 
     # -- validation: per-slot agreement with the verifier's greedy token, and the joint chain -----------------------
     @torch.no_grad()

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.verifier import drafter_embedding
 from spectrain.heads.vocab import token_counts
 
 from .base import DrafterModule
@@ -124,7 +125,7 @@ class EagleModule(DrafterModule):
 
     @property
     def embed(self):
-        return self.verifier.get_input_embeddings()
+        return drafter_embedding(self.verifier)
 
     # -- eagle3 draft vocabulary: counted over the loss-masked training tokens -----------------------------------
     def setup(self, stage: str) -> None:

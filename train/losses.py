@@ -58,13 +58,20 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
-def _chunk_loss_and_grad(logits, target_ids, teacher_states, teacher_weight, teacher_bias, sparse_ids, sparse_probs,
-                         want_grad: bool):
+def _teacher_logits(states, weight, bias, transform):
+    """A dense teacher's logits: the verifier's ``lm_head`` rows, then its family's logit transform (Gemma's
+    soft-cap, Granite's scaling: ``heads.verifier.LogitTransform``; None = the identity)."""
+    logits = F.linear(states.to(weight.dtype), weight, bias)
+    return logits if transform is None else transform(logits)
+
+
+def _chunk_loss_and_grad(logits, target_ids, teacher_states, teacher_weight, teacher_bias, teacher_transform,
+                         sparse_ids, sparse_probs, want_grad: bool):
     """Summed CE of one chunk's ``logits`` and, with ``want_grad``, d(loss)/d(logits) in fp32. A dense teacher
     is projected here, per chunk (its (N, V) distribution never exists whole)."""
     teacher_probs = None
     if teacher_states is not None:
-        teacher = F.linear(teacher_states.to(teacher_weight.dtype), teacher_weight, teacher_bias)
+        teacher = _teacher_logits(teacher_states, teacher_weight, teacher_bias, teacher_transform)
         teacher_probs = teacher.softmax(-1, dtype=_fp32(teacher))
     logp = logits.log_softmax(-1, dtype=_fp32(logits))
     if target_ids is not None:
@@ -99,11 +106,11 @@ class _ChunkedProjectionCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, states, weight, bias, target_ids, teacher_states, teacher_weight, teacher_bias, sparse_ids,
-                sparse_probs, chunk_size):
+    def forward(ctx, states, weight, bias, target_ids, teacher_states, teacher_weight, teacher_bias,
+                teacher_transform, sparse_ids, sparse_probs, chunk_size):
         dtype = _compute_dtype(weight)
         with torch.autocast(weight.device.type, enabled=False):
-            w, b, teacher = _cast_once(dtype, weight, bias, teacher_weight, teacher_bias)
+            w, b, teacher = _cast_once(dtype, weight, bias, teacher_weight, teacher_bias, teacher_transform)
             total = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=states.device)
             for start in range(0, states.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
@@ -113,7 +120,7 @@ class _ChunkedProjectionCE(torch.autograd.Function):
                 total += loss.to(total.dtype)
         ctx.save_for_backward(states, weight, bias, target_ids, teacher_states, teacher_weight, teacher_bias,
                               sparse_ids, sparse_probs)
-        ctx.dtype, ctx.chunk_size = dtype, chunk_size
+        ctx.dtype, ctx.chunk_size, ctx.teacher_transform = dtype, chunk_size, teacher_transform
         return total
 
     @staticmethod
@@ -122,7 +129,7 @@ class _ChunkedProjectionCE(torch.autograd.Function):
          sparse_probs) = ctx.saved_tensors
         dtype = ctx.dtype
         with torch.autocast(weight.device.type, enabled=False):
-            w, b, teacher = _cast_once(dtype, weight, bias, teacher_weight, teacher_bias)
+            w, b, teacher = _cast_once(dtype, weight, bias, teacher_weight, teacher_bias, ctx.teacher_transform)
             d_states = torch.empty(states.shape, dtype=dtype, device=states.device) if ctx.needs_input_grad[0] else None
             acc = torch.promote_types(dtype, torch.float32)  # gradients summed over chunks in fp32 (or better)
             d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
@@ -143,21 +150,21 @@ class _ChunkedProjectionCE(torch.autograd.Function):
                     d_bias += grad.sum(0).to(acc)
         return (None if d_states is None else d_states.to(states.dtype),
                 None if d_weight is None else d_weight.to(weight.dtype),
-                None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None, None, None, None)
+                None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None, None, None, None, None)
 
 
-def _cast_once(dtype, weight, bias, teacher_weight, teacher_bias):
+def _cast_once(dtype, weight, bias, teacher_weight, teacher_bias, teacher_transform):
     """The projection (and a dense teacher's) in the compute dtype: one cast per pass, not one per chunk."""
     def cast(t):
         return None if t is None else t.to(dtype)
-    return cast(weight), cast(bias), (cast(teacher_weight), cast(teacher_bias))
+    return cast(weight), cast(bias), (cast(teacher_weight), cast(teacher_bias), teacher_transform)
 
 
 def _targets_of(rows: slice, target_ids, teacher_states, teacher, sparse_ids, sparse_probs):
     """One chunk's targets, in :func:`_chunk_loss_and_grad`'s argument order."""
     def pick(t):
         return None if t is None else t[rows]
-    return pick(target_ids), pick(teacher_states), teacher[0], teacher[1], pick(sparse_ids), pick(sparse_probs)
+    return pick(target_ids), pick(teacher_states), *teacher, pick(sparse_ids), pick(sparse_probs)
 
 
 def logits_bytes(rows: int, vocab: int) -> int:
@@ -180,7 +187,7 @@ def default_memory_budget(device: torch.device | str = "cpu") -> int:
 
 
 def _chunk_cross_entropy(states, weight, bias, target_ids, teacher_states, teacher_weight, teacher_bias,
-                         sparse_ids, sparse_probs):
+                         teacher_transform, sparse_ids, sparse_probs):
     """Summed CE of ``states @ weight.T`` against hard ids, the teacher's softmax, or sparse (ids, probs)."""
     logits = F.linear(states.to(weight.dtype), weight, bias)
     if target_ids is not None:
@@ -189,7 +196,7 @@ def _chunk_cross_entropy(states, weight, bias, target_ids, teacher_states, teach
         logp = logits.log_softmax(-1, dtype=_fp32(logits)).gather(-1, sparse_ids.clamp(min=0))
         return -(logp * sparse_probs).sum()
     with torch.no_grad():
-        teacher = F.linear(teacher_states.to(teacher_weight.dtype), teacher_weight, teacher_bias)
+        teacher = _teacher_logits(teacher_states, teacher_weight, teacher_bias, teacher_transform)
         teacher_probs = teacher.softmax(-1, dtype=_fp32(teacher))
     return _SoftTargetCrossEntropy.apply(logits, teacher_probs)
 
@@ -203,6 +210,7 @@ def projected_cross_entropy(
     teacher_states: torch.Tensor | None = None,
     teacher_weight: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
+    teacher_transform=None,
     sparse_ids: torch.Tensor | None = None,
     sparse_probs: torch.Tensor | None = None,
     chunk_size: int | None = 256,
@@ -217,7 +225,8 @@ def projected_cross_entropy(
         states: (N, H) rows to score (already restricted to loss-masked positions).
         weight, bias: (V, H), (V,) the vocabulary projection.
         target_ids: (N,) hard targets in [0, V), or
-        teacher_states, teacher_weight, teacher_bias: (N, H'), (V, H'), (V,) whose softmax is the soft target, or
+        teacher_states, teacher_weight, teacher_bias: (N, H'), (V, H'), (V,) whose softmax (after
+            ``teacher_transform``, the verifier's ``LogitTransform``, when given) is the soft target, or
         sparse_ids, sparse_probs: (N, k) target indices in [0, V) (-1 = none) and their probabilities (0 where
             none), e.g. a stored top-k of the teacher renormalised over the kept tokens.
         chunk_size: rows per chunk when recomputing; ``None`` projects everything at once.
@@ -234,13 +243,12 @@ def projected_cross_entropy(
     given = sum(x is not None for x in (target_ids, teacher_states, sparse_ids))
     if given != 1 or (sparse_ids is None) != (sparse_probs is None):
         raise ValueError("give exactly one of target_ids, teacher_states or sparse_ids (with sparse_probs)")
-    targets = (target_ids, teacher_states, teacher_weight, teacher_bias, sparse_ids, sparse_probs)
+    targets = (target_ids, teacher_states, teacher_weight, teacher_bias, teacher_transform, sparse_ids, sparse_probs)
     if sparse_ids is not None:  # rows whose whole top-k fell outside the projected rows teach nothing: not counted
         n = (sparse_probs.sum(-1) > 0).sum().clamp(min=1)
     if chunk_size is None or not recompute or states.shape[0] <= chunk_size:
         return _chunk_cross_entropy(states, weight, bias, *targets) / n
-    return _ChunkedProjectionCE.apply(states, weight, bias, target_ids, teacher_states, teacher_weight, teacher_bias,
-                                      sparse_ids, sparse_probs, chunk_size) / n
+    return _ChunkedProjectionCE.apply(states, weight, bias, *targets, chunk_size) / n
 
 
 def sparse_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
@@ -283,9 +291,9 @@ def teacher_distribution(teacher: dict, vocab: int) -> torch.Tensor:
         ids, probs = teacher["sparse_ids"], teacher["sparse_probs"]
         out = probs.new_zeros(ids.shape[0], vocab)
         return out.scatter_add_(1, ids.clamp_min(0), probs * (ids >= 0))
-    states, weight, bias = teacher["teacher_states"], teacher["teacher_weight"], teacher["teacher_bias"]
     with torch.no_grad():
-        return F.linear(states.to(weight.dtype), weight, bias).float().softmax(-1)
+        return _teacher_logits(teacher["teacher_states"], teacher["teacher_weight"], teacher["teacher_bias"],
+                               teacher.get("teacher_transform")).float().softmax(-1)
 
 
 def acceptance_loss(logp: torch.Tensor, q: torch.Tensor, kind: str, eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
