@@ -33,7 +33,7 @@ from torch import nn
 
 from .errors import SpectrainError
 from .families import DrafterFamily, ServingFormat, register_family
-from .io import checked_state, read_json, save_tensors, write_json
+from .io import checked_state, read_drafter_config, save_drafter_dir
 from .layers import RMSNorm, SwiGLU, apply_rotary, rotary_cos_sin
 from .medusa import check_compatible
 from .verifier import drafter_shape, max_context, verifier_rope
@@ -320,24 +320,12 @@ class DFlashDrafter(nn.Module):
     # -- our checkpoint format ----------------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write ``model.safetensors`` then ``config.json`` (config last marks completeness), each atomically."""
-        out_dir = Path(out_dir)
-        save_tensors(out_dir / "model.safetensors", self.state_dict(),
-                     metadata={"format": "pt", "method": self.config.method})
-        write_json(out_dir / "config.json", asdict(self.config))
-        return out_dir
+        return save_drafter_dir(out_dir, self.state_dict(), asdict(self.config))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, verifier_model=None, device: str | torch.device = "cpu") -> "DFlashDrafter":
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise SpectrainError(f"not a spectrain drafter directory (no config.json): {path}")
-        raw = read_json(path / "config.json", "drafter config")
-        if raw.get("method") not in METHODS:
-            raise SpectrainError(f"{path} holds a {raw.get('method')!r} drafter, not a DFlash one")
-        try:
-            config = DFlashConfig(**{k: v for k, v in raw.items() if k in DFlashConfig.__dataclass_fields__})
-        except SpectrainError as err:
-            raise SpectrainError(f"{path}/config.json: {err}") from None
+        config = read_drafter_config(path, DFlashConfig, METHODS, "a DFlash one")
         if verifier_model is not None:
             check_verifier(config, verifier_model, str(path))
         drafter = cls(config)

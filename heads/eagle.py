@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import SpectrainError
 from .families import DrafterFamily, register_family
-from .io import checked_state, read_json, save_tensors, write_json
+from .io import checked_state, read_drafter_config, save_drafter_dir
 from .layers import (Attention, RMSNorm, SwiGLU, apply_rotary, causal_mask,  # noqa: F401  (re-exported)
                      rotary_cos_sin)
 from .medusa import check_compatible
@@ -590,25 +590,14 @@ class EagleDrafter(nn.Module):
     # -- our checkpoint format: model.safetensors + config.json, drafter weights only ------------------------
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write ``model.safetensors`` then ``config.json``, each atomically; config last marks completeness."""
-        out_dir = Path(out_dir)
-        save_tensors(out_dir / "model.safetensors", self.state_dict(),
-                     metadata={"format": "pt", "method": self.config.variant})
-        write_json(out_dir / "config.json", asdict(self.config))
-        return out_dir
+        return save_drafter_dir(out_dir, self.state_dict(), asdict(self.config))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, verifier_model=None, device: str | torch.device = "cpu") -> "EagleDrafter":
-        """Load a drafter saved by :meth:`save_pretrained`; check it against ``verifier_model`` when given."""
+        """Load a drafter saved by :meth:`save_pretrained`; check it against ``verifier_model`` when given (an older
+        checkpoint's config — unsorted aux_layer_ids, say — is refused by name, with its path)."""
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise SpectrainError(f"not a spectrain drafter directory (no config.json): {path}")
-        raw = read_json(path / "config.json", "drafter config")
-        if raw.get("method") not in VARIANTS:
-            raise SpectrainError(f"{path} holds a {raw.get('method')!r} drafter, not an EAGLE one")
-        try:  # an older checkpoint's config (unsorted aux_layer_ids, say) is refused by name, with its path
-            config = EagleConfig(**{k: v for k, v in raw.items() if k in EagleConfig.__dataclass_fields__})
-        except SpectrainError as err:
-            raise SpectrainError(f"{path}/config.json: {err}") from None
+        config = read_drafter_config(path, EagleConfig, VARIANTS, "an EAGLE one")
         if verifier_model is not None:
             _check_verifier(config, verifier_model, str(path))
         drafter = cls(config)

@@ -141,3 +141,27 @@ def checked_state(path: str | os.PathLike, expected: dict[str, torch.Tensor]) ->
     if wrong:
         raise SpectrainError(f"{path} has tensors of the wrong shape for its config: {wrong[:4]}")
     return state
+
+
+def save_drafter_dir(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], config: dict) -> Path:
+    """A drafter in our run-dir format: ``model.safetensors`` (``config["method"]`` in its metadata) then
+    ``config.json``, each atomically; the config is written last, so a directory with it holds a complete drafter."""
+    out_dir = Path(out_dir)
+    save_tensors(out_dir / "model.safetensors", state, metadata={"format": "pt", "method": config["method"]})
+    write_json(out_dir / "config.json", config)
+    return out_dir
+
+
+def read_drafter_config(path: str | os.PathLike, config_cls, methods, kind: str):
+    """The ``config_cls`` of a drafter :func:`save_drafter_dir` wrote at ``path``: refused unless its method is one
+    of ``methods`` (``kind`` names what was expected), and with the path when the config itself is refused."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise SpectrainError(f"not a spectrain drafter directory (no config.json): {path}")
+    raw = read_json(path / "config.json", "drafter config")
+    if raw.get("method") not in methods:
+        raise SpectrainError(f"{path} holds a {raw.get('method')!r} drafter, not {kind}")
+    try:
+        return config_cls(**{k: v for k, v in raw.items() if k in config_cls.__dataclass_fields__})
+    except SpectrainError as err:
+        raise SpectrainError(f"{path}/config.json: {err}") from None

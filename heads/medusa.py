@@ -9,7 +9,6 @@ saves K x vocab x hidden parameters for large vocabularies.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from torch import nn
 
 from .errors import SpectrainError
 from .families import DrafterFamily, register_family
-from .io import load_tensors, save_tensors, write_json
+from .io import checked_state, read_drafter_config, save_drafter_dir
 
 FORMAT_VERSION = 1
 
@@ -131,31 +130,17 @@ class MedusaHeads(nn.Module):
         config = asdict(self.config)
         if extra:
             config["extra"] = {**config.get("extra", {}), **extra}
-        save_tensors(out_dir / "model.safetensors", self.state_dict(), metadata={"format": "pt", "method": "medusa"})
-        write_json(out_dir / "config.json", config)
-        return out_dir
+        return save_drafter_dir(out_dir, self.state_dict(), config)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, verifier_model=None, device: str | torch.device = "cpu") -> "MedusaHeads":
         """Load heads saved by :meth:`save_pretrained`; check them against ``verifier_model`` when given."""
         path = Path(path)
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise SpectrainError(f"not a spectrain drafter directory (no config.json): {path}")
-        raw = json.loads(config_path.read_text())
-        if raw.get("method") != "medusa":
-            raise SpectrainError(f"{path} holds a {raw.get('method')!r} drafter, not Medusa heads")
-        config = MedusaConfig(**{k: v for k, v in raw.items() if k in MedusaConfig.__dataclass_fields__})
+        config = read_drafter_config(path, MedusaConfig, ("medusa",), "Medusa heads")
         if verifier_model is not None:
             check_compatible(config.hidden_size, config.vocab_size, verifier_model, str(path))
         heads = cls(config)
-        state = load_tensors(path / "model.safetensors")
-        expected = set(heads.state_dict())
-        if set(state) != expected:
-            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise SpectrainError(f"{path}/model.safetensors does not match its config: missing {missing[:4]}, "
-                                 f"unexpected {extra[:4]}")
-        heads.load_state_dict(state)
+        heads.load_state_dict(checked_state(path / "model.safetensors", heads.state_dict()))
         return heads.to(device)
 
 
