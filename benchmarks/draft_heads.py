@@ -1,8 +1,8 @@
 """Ranked draft heads, measured: τ, drafting cost and speedup of Medusa / EAGLE-1 / DFlash drafters over draft
 vocabularies of several sizes, every speedup over AR decoded in the same run (benchmark, not a test).
 
-One AR pass over the prompts first (its records are every setting's reference: speedup and the lossless check),
-then per drafter and draft vocabulary one :func:`evaluate_drafter` call (a chain of k — ``--k_of NAME=K`` for another
+AR decoded before each drafter call (``--ar_each``, the default; its records are that call's reference: speedup
+and the lossless check — ``--ar_each false``: one AR pass first for every call), then per drafter and draft vocabulary one :func:`evaluate_drafter` call (a chain of k — ``--k_of NAME=K`` for another
 length per drafter — and a tree: Medusa's best N-node tree, the dynamic tree of the families that grow one (EAGLE,
 DFlash: its depth must fit the block)), plus the hybrid (prompt lookup + the drafter) where asked; AR is decoded once
 more at the end so the drift of the machine over the run is on record::
@@ -12,8 +12,11 @@ more at the end so the drift of the machine over the run is on record::
         [--num_prompts 16] [--k 5] [--dynamic_tree 6,8,64] [--medusa_tree auto:64] [--out docs/results/draft_heads.json]
 
 Prints a table and writes the JSON (its path is the last line printed): rows with ``drafter``, ``draft_vocab``,
-``setting``, ``tau``, ``draft_over_verify`` (a round's drafting / one verify pass, timed in isolation),
-``speedup`` (over the run's AR), ``ideal_speedup``, ``identical_turns``.
+``setting``, ``tau``, ``draft_over_verify`` (a round's drafting / its verify pass, both timed in the rounds),
+``round_ms`` (draft / verify / the rest of a round), ``speedup`` (over AR decoded right before that drafter's
+call: ``--ar_each``, the default, so the machine's drift over a long run does not enter the ratios; ``--ar_each
+false``: over the run's first AR), ``ideal_speedup`` (τ × AR's ms per token / a round's draft + verify),
+``identical_turns``.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dynamic_tree", default="6,8,64", help="EAGLE's tree")
     p.add_argument("--medusa_tree", default="auto:64", help="Medusa's tree")
     p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--ar_each", type=lambda v: {"true": True, "false": False}[v.lower()], default=True,
+                   metavar="true|false", help="decode AR again before every drafter call (its speedups' reference)")
     p.add_argument("--out", default="runs/bench/draft_heads.json")
     return p.parse_args(argv)
 
@@ -103,6 +108,8 @@ def run(args: argparse.Namespace, command: str):
                 dict(dynamic_tree=dynamic_tree(args.dynamic_tree)) if evaluator.dynamic_trees else {})  # else chains
         jobs = [(method, n) for n in vocabs] + [("hybrid", n) for n in hybrids.get(name, [])]
         for how, n in jobs:
+            if args.ar_each:  # AR again, just before: this call's speedups and lossless check are against it
+                reference = evaluate_drafter(verifier, prompts, method="none", **common).per_prompt["ar"]
             result = evaluate_drafter(verifier, prompts, method=how, drafter=drafter, k=chains.get(name, args.k),
                                       draft_vocab=n, reference=reference, **tree, **common)
             label = name if how != "hybrid" else f"hybrid-{name}"
@@ -112,15 +119,16 @@ def run(args: argparse.Namespace, command: str):
                 if setting == "ar":
                     continue
                 rows.append({"drafter": label, "draft_vocab": result.draft_vocab, "setting": setting,
-                             "tau": r["tau"], "draft_over_verify": r["draft_over_verify"],
+                             "tau": r["tau"], "draft_over_verify": r["draft_over_verify"], "round_ms": r["round_ms"],
                              "speedup": r["speedup"], "ideal_speedup": r["ideal_speedup"],
                              "tokens_per_second": r["tokens_per_second"],
+                             "ar_tokens_per_second": result.results["ar"]["tokens_per_second"],
                              "identical_turns": f"{r['identical_turns']}/{r['divergences']['turns']}"})
                 print(f"{label} V={result.draft_vocab} {setting}: tau {r['tau']:.3f}, draft/verify "
                       f"{r['draft_over_verify']:.3f}, speedup {r['speedup']:.3f}", flush=True)
     ar_end = evaluate_drafter(verifier, prompts, method="none", **common).results["ar"]
     summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "verifier": args.verifier,
-               "drafters": paths, "prompts": args.prompts, "num_prompts": len(prompts),
+               "drafters": paths, "prompts": args.prompts, "num_prompts": len(prompts), "ar_each": args.ar_each,
                "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16", "device": "cpu",
                "threads": torch.get_num_threads(), "batch_invariant": ar.batch_invariant,
                "ar": {"tokens_per_second": ar_summary["tokens_per_second"],

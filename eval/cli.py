@@ -182,8 +182,10 @@ def tables(summary: dict) -> list[str]:
     rows = []
     for name, r in summary["results"].items():
         rows.append([name, r.get("tree_size", 0), r["tau"], r["tokens_per_second"], r["decode_ms_per_token"],
-                     r.get("speedup", 1.0), r.get("ideal_speedup", 1.0),
-                     "-" if "draft_over_verify" not in r else round(r["draft_over_verify"], 3), r["distinct_4gram"],
+                     r.get("speedup", 1.0), "-" if r.get("ideal_speedup") is None else r["ideal_speedup"],
+                     "-" if r.get("draft_over_verify") is None else round(r["draft_over_verify"], 3),
+                     "-" if r.get("round_ms") is None else
+                     "/".join(f"{r['round_ms'][p]:.2f}" for p in ("draft", "verify", "other")), r["distinct_4gram"],
                      "-" if name == "ar" else identity(r, summary["sampling"]["temperature"])])
     hf = summary["hf_generate"]
     title = (f"{summary['method']} on {summary['verifier']} — {summary['num_prompts']} prompts, "
@@ -192,8 +194,8 @@ def tables(summary: dict) -> list[str]:
              + (f"; decoder: {summary['decoder']}" if summary.get("decoder") else "")
              + (f"; draft vocabulary {summary['draft_vocab']}" if summary.get("draft_vocab") else "")
              + (f"; HF generate(): {hf['tokens_per_second']:.1f} tok/s" if hf else ""))
-    out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup", "ideal", "draft/verify", "distinct-4",
-                         "same as AR"], rows, title=title)]
+    out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup", "ideal", "draft/verify",
+                         "round ms: draft/verify/other", "distinct-4", "same as AR"], rows, title=title)]
     for name, r in summary["results"].items():
         if name == "ar":
             continue

@@ -3,7 +3,9 @@
 Costs are timed in isolation (CUDA events on GPU, perf_counter on CPU) at a
 fixed context length: T_decode = one verifier token, T_verify(n) = the verifier
 on 1 + n tokens with a tree mask, T_draft = one ``propose`` of the drafter.
-Ideal speedup of a setting = tau * T_decode / (T_verify(n) + T_draft).
+They shape the planner's prices for sizes that were not decoded; a decoded
+setting's own costs (and its ideal speedup) come from its rounds
+(``Generation.round_seconds``, ``evaluate.in_loop_costs``).
 """
 
 from __future__ import annotations

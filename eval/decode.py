@@ -30,6 +30,9 @@ class Generation:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     stop: str = "length"
+    #: seconds of the rounds spent drafting (``propose``), in the verifier's pass (forward + logits) and on the
+    #: rest (acceptance, the one host read, commit, bookkeeping, ``advance``), summed over rounds.
+    round_seconds: dict = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "other": 0.0})
 
     trace: "Trace | None" = None
 
@@ -65,6 +68,34 @@ class Trace:
             self.top_ids = torch.cat([r.indices for r in self._rounds])[:tokens].cpu()
         self.row = None if self.row is None else self.row.cpu()
         self._rounds = []
+
+
+class RoundClock:
+    """Stamps at a round's phase boundaries — start, drafted, verifier pass starts, verified — and one after the
+    last round; summed per phase once the loop is over (the verify pass's preparation — a dynamic tree's mask,
+    the ids — counts as "other", with acceptance and bookkeeping). A CPU runs ops as they are called, so ``perf_counter`` stamps time them; on
+    CUDA the stamps are events recorded in the stream and read after the loop's final sync (no host sync inside
+    a round)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.stamps: list = []
+
+    def stamp(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self.stamps.append(event)
+        else:
+            self.stamps.append(time.perf_counter())
+
+    def totals(self) -> dict:
+        """``{"draft", "verify", "other"}`` seconds over every round (call after the device is synced)."""
+        if self.cuda:
+            gaps = [a.elapsed_time(b) / 1000 for a, b in zip(self.stamps, self.stamps[1:])]
+        else:
+            gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        return {"draft": sum(gaps[0::4]), "verify": sum(gaps[2::4]), "other": sum(gaps[1::4]) + sum(gaps[3::4])}
 
 
 def _sync(device: torch.device) -> None:
@@ -135,9 +166,12 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
             out.trace = trace
         return out
 
+    clock = RoundClock(device)
     t1 = time.perf_counter()
     while len(out.tokens) < max_new_tokens:
+        clock.stamp()
         proposal = drafter.propose(state)
+        clock.stamp()
         if proposal.tree is not None:  # a dynamic tree: this round's structure
             tree = proposal.tree.to(device)
             mask_rows = verify_mask_rows(tree)
@@ -147,8 +181,11 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         n = tree.size
         ids = torch.cat([state.tokens[state.length - 1:state.length], proposal.tokens])
         base = verifier.length
-        hidden = verifier.forward(ids, positions=base + depth_positions, mask=verifier.tree_mask(mask_rows))
+        positions, mask = base + depth_positions, verifier.tree_mask(mask_rows)
+        clock.stamp()
+        hidden = verifier.forward(ids, positions=positions, mask=mask)
         logits = verifier.logits(hidden)
+        clock.stamp()
         if sampling.greedy:  # compare argmaxes: no vocabulary-sized one-hot q, no random draws
             verdict = accept_greedy(logits.argmax(-1)[None], proposal.tokens[None], tree)
         else:
@@ -184,8 +221,10 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         drafter.advance(a, state)
         if out.stop == "eos":
             break
+    clock.stamp()
     _sync(device)
     out.decode_seconds = time.perf_counter() - t1
+    out.round_seconds = clock.totals()
     if trace is not None:
         trace.close(len(out.tokens))
         out.trace = trace

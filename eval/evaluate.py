@@ -336,6 +336,7 @@ def turn_record(ids: list[int], gen) -> dict:
     return {"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "stop": gen.stop,
             "accept_lengths": gen.accept_lengths, "emitted_per_round": gen.emitted_per_round,
             "prefill_seconds": gen.prefill_seconds, "decode_seconds": gen.decode_seconds,
+            "round_seconds": gen.round_seconds,
             "tokens": gen.tokens, "sequence": ids + gen.tokens}
 
 
@@ -348,7 +349,13 @@ def summarize(records: list[dict], depth: int) -> dict:
     total = decode + sum(t["prefill_seconds"] for t in turns)
     # Decode throughput counts the tokens made by verify rounds (the prefill's token is timed with the prefill).
     decode_tokens = sum(sum(t["emitted_per_round"]) for t in turns)
+    # Where a round's time goes, measured in the rounds themselves (ms per round, pooled over turns).
+    # (None for records written before rounds were timed: a reused reference from an older file.)
+    round_ms = (None if not accept or any("round_seconds" not in t for t in turns) else
+                {phase: 1000 * sum(t["round_seconds"][phase] for t in turns) / len(accept)
+                 for phase in ("draft", "verify", "other")})
     return {
+        "round_ms": round_ms,
         "tau": metrics.tau([t["emitted_per_round"] for t in turns]),
         "alpha": metrics.alphas(accept, depth),
         "accept_histogram": metrics.histogram(accept, depth),
@@ -359,6 +366,19 @@ def summarize(records: list[dict], depth: int) -> dict:
         "decode_ms_per_token": 1000 * decode / max(decode_tokens, 1),
         "distinct_4gram": metrics.distinct_ngram_ratio([t["tokens"] for t in turns]),
     }
+
+
+def in_loop_costs(summary: dict, ar: dict) -> dict:
+    """A setting's costs from its own rounds: ``draft_over_verify`` (a round's drafting in verify passes),
+    ``ideal_speedup`` (τ × AR's ms per token / a round's draft + verify ms: these rounds with no time outside
+    the two passes, against AR as it runs) and ``speedup_vs_ideal`` (measured / ideal = the share of a round spent in the two passes)."""
+    ms = summary["round_ms"]
+    if ms is None or ar.get("round_ms") is None:  # no rounds (or records from before rounds were timed)
+        return {"draft_over_verify": None, "ideal_speedup": None, "speedup_vs_ideal": None}
+    passes = ms["draft"] + ms["verify"]
+    ideal = summary["tau"] * ar["decode_ms_per_token"] / max(passes, 1e-9)
+    return {"draft_over_verify": ms["draft"] / max(ms["verify"], 1e-9), "ideal_speedup": ideal,
+            "speedup_vs_ideal": summary["speedup"] / max(ideal, 1e-9)}
 
 
 def identical_turns(reference: list[dict], records: list[dict]) -> int:
@@ -504,8 +524,9 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         chat_template: render turns with the tokenizer's chat template (None: when it has one).
         compile: compile one graph per verify size, warmed up before anything is timed.
         hf_generate: prompts also timed with HF ``generate()`` (0: skip).
-        costs: measure per-round verify / draft costs, the ideal speedup and the planner (without them a Medusa
-            drafter is calibrated only when ``tree`` is ``auto:N``).
+        costs: probe verify / draft costs in isolation (``EvalResult.costs``) and run the planner (without them
+            a Medusa drafter is calibrated only when ``tree`` is ``auto:N``); every setting's own costs and ideal
+            speedup come from its rounds either way.
         reference: AR records of these prompts from an earlier call (``result.per_prompt["ar"]``): reused
             instead of decoding AR again.
         max_len: KV-cache positions (default: what the longest prompt's turns need).
@@ -603,14 +624,13 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
             summary["divergences"] = divergences(runner, spec, ar_records, records, s, eos_ids(tokenizer))
         if calibration is not None and not shape_tree.is_chain:
             summary["expected_accept_length"] = expected_accept_length(shape_tree.paths, calibration["rank_accuracy"])
-        if costs:
+        summary.update(in_loop_costs(summary, results["ar"]))
+        if costs:  # isolated probes at one context length: what the planner prices settings not run with
             verified = shape_tree if spec.max_nodes == shape_tree.size else Tree.chain(spec.max_nodes)
             tv, td = verify_cost(runner, verified, len(probe_prompt)), draft_cost(spec, state)
-            summary["ideal_speedup"] = summary["tau"] * t_decode / (tv + td)
-            summary["speedup_vs_ideal"] = summary["speedup"] / max(summary["ideal_speedup"], 1e-9)
-            summary["draft_over_verify"] = td / max(tv, 1e-12)  # a round's drafting, in verify passes
             cost_table["settings"][name] = {"t_verify_ms": 1000 * tv, "t_draft_ms": 1000 * td,
-                                            "draft_over_verify": td / max(tv, 1e-12)}
+                                            "draft_over_verify": td / max(tv, 1e-12),
+                                            "ideal_speedup": summary["tau"] * t_decode / max(tv + td, 1e-12)}
             if shape_tree.is_chain and not name.startswith("dynamic"):
                 t_verify[shape_tree.size], t_draft[shape_tree.size] = tv, td
         results[name] = summary
@@ -634,9 +654,18 @@ def plan_speedups(s: Settings, results: dict, trees: dict, runner, model, learne
                   calibration, state, t_decode: float, t_verify: dict, t_draft: dict, context: int,
                   vocab: torch.Tensor | None = None) -> dict | None:
     """Expected speedup of every chain length up to the measured depth (and, for Medusa, of trees of every size
-    from the measured rank accuracies), from measured α and per-round costs."""
+    from the measured rank accuracies), from measured α and per-round costs.
+
+    Where a chain was decoded, its rounds and AR's price the sizes not run (isolated probes at one context read
+    high and noisy on a small CPU, so they only give shapes): a verify pass linear in its tokens between AR's
+    round (1 token) and the chain's (k + 1), drafting as the chain's scaled by the isolated drafts' ratio
+    (sequential drafters grow with n, one-pass ones do not), the rest of a round as the chain's; a Medusa tree's
+    verify pass is its isolated cost scaled by the chain's in-loop / isolated ratio. Speedups are over AR's
+    measured ms per token. Without a chain, the isolated costs alone."""
     chain = next((results[n] for n in trees if n.startswith("chain")), None)
     planner = None
+    in_loop = (chain is not None and s.k in t_verify and chain.get("round_ms") is not None
+               and results["ar"].get("round_ms") is not None)
     if chain is not None:
         depth = len(chain["alpha"])
         for n in range(1, depth + 1):
@@ -646,15 +675,32 @@ def plan_speedups(s: Settings, results: dict, trees: dict, runner, model, learne
                 t_draft[n] = (t_draft.get(depth, 0.0) if calibration is not None else
                               draft_cost(build_drafter(s, Tree.chain(n), model, learned, draft_model, max_len,
                                                        vocab=vocab), state))
-        planner = {"chains": plan(chain["alpha"], t_decode, t_verify, t_draft)}
+        priced_verify, priced_draft = dict(t_verify), dict(t_draft)
+        if in_loop:
+            loop, ar = {p: v / 1000 for p, v in chain["round_ms"].items()}, results["ar"]["round_ms"]["verify"] / 1000
+            t_decode = results["ar"]["decode_ms_per_token"] / 1000
+            # AR's round may come from another call (a reused reference): a chain never priced below it.
+            slope = max(loop["verify"] - ar, 0.0) / s.k
+            priced_verify = {n: ar + slope * n + loop["other"] for n in t_verify}
+            probe_k = t_draft.get(s.k, 0.0)
+            priced_draft = {n: loop["draft"] * (t_draft.get(n, 0.0) / probe_k if probe_k > 0 else 1.0)
+                            for n in t_verify}
+        planner = {"chains": plan(chain["alpha"], t_decode, priced_verify, priced_draft),
+                   "priced_by": "in-loop rounds" if in_loop else "isolated probes",
+                   "priced_ms": {n: {"verify": 1000 * priced_verify[n], "draft": 1000 * priced_draft.get(n, 0.0)}
+                                 for n in sorted(priced_verify)}}
         planner["best_chain"] = max(planner["chains"], key=lambda r: r["expected_speedup"], default=None)
         planner["measured_chain"] = {"n": s.k, "speedup": chain["speedup"]}
     if calibration is not None:  # trees of every size from the measured rank accuracies
-        planner = planner or {}
+        planner = planner or {"priced_by": "isolated probes"}
         planner["trees"] = []
+        verify_scale, rest, draft = 1.0, 0.0, t_draft.get(s.k, 0.0)
+        if in_loop:
+            verify_scale = chain["round_ms"]["verify"] / 1000 / max(t_verify[s.k], 1e-12)
+            rest, draft = chain["round_ms"]["other"] / 1000, chain["round_ms"]["draft"] / 1000
         for size in PLANNER_TREES:
             tree = build_tree(calibration["rank_accuracy"], size)
-            cost = verify_cost(runner, tree, context) + t_draft.get(s.k, 0.0)
+            cost = max(verify_cost(runner, tree, context) * verify_scale + draft + rest, 1e-12)
             tau_n = 1 + expected_accept_length(tree.paths, calibration["rank_accuracy"])
             planner["trees"].append({"n": size, "expected_tau": tau_n, "expected_speedup": tau_n * t_decode / cost})
         planner["best_tree"] = max(planner["trees"], key=lambda r: r["expected_speedup"])

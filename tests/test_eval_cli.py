@@ -171,7 +171,7 @@ def test_drafter_for_another_verifier(setup, verifier_factory, tmp_path):
 def test_gpu_check_script_cpu_path(tmp_path, monkeypatch, capsys):
     """The GPU check runs end to end on the CPU with tiny sizes, its speed targets required too: each check records
     what it compared, and a target the run misses makes the script exit 1 naming it. Its CUDA numbers need a GPU;
-    on two shared CPU cores the isolated costs behind the ideal speedup swing by 10x or more, so the real run
+    on two shared CPU cores timings swing by 10x or more, so the real run
     requires only our AR loop at >= 0.1x HF generate()'s tokens/s and a finite, positive speedup / ideal; the
     judgement itself is then tested on this run's numbers with minimums set around them."""
     from types import SimpleNamespace

@@ -181,7 +181,9 @@ def test_evaluate_drafter_reports_draft_vocab_and_draft_cost(tiny_tokenizer, tmp
                               max_new_tokens=24, chat_template=False, hf_generate=0)
     chain, cost = result.results[f"chain-{K}"], result.costs["settings"][f"chain-{K}"]
     assert result.draft_vocab == 120 and chain["draft_vocab"] == 120 and chain["identical_to_ar"]
-    assert chain["draft_over_verify"] == pytest.approx(cost["t_draft_ms"] / cost["t_verify_ms"]) and cost["t_draft_ms"] > 0
+    rounds = chain["round_ms"]  # the rounds' own drafting over their verify passes; isolated probes kept apart
+    assert chain["draft_over_verify"] == pytest.approx(rounds["draft"] / rounds["verify"]) and rounds["draft"] > 0
+    assert cost["t_draft_ms"] > 0 and cost["draft_over_verify"] == pytest.approx(cost["t_draft_ms"] / cost["t_verify_ms"])
     full = evaluate_drafter(verifier, [["hello there"]], method="medusa", drafter=heads, k=K, max_new_tokens=8,
                             chat_template=False, hf_generate=0, costs=False, draft_vocab=0)
     assert full.draft_vocab == 320
