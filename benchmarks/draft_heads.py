@@ -5,7 +5,9 @@ AR decoded before each drafter call (``--ar_each``, the default; its records are
 and the lossless check — ``--ar_each false``: one AR pass first for every call), then per drafter and draft vocabulary one :func:`evaluate_drafter` call (a chain of k — ``--k_of NAME=K`` for another
 length per drafter — and a tree: Medusa's best N-node tree, the dynamic tree of the families that grow one (EAGLE,
 DFlash: its depth must fit the block)), plus the hybrid (prompt lookup + the drafter) where asked; AR is decoded once
-more at the end so the drift of the machine over the run is on record::
+more at the end so the drift of the machine over the run is on record. ``--interleave`` goes prompt by prompt
+instead: AR on a prompt, then every drafter setting on it, each setting's turns pooled and its speedup taken
+against the pooled AR — the machine's drift (±15 % within minutes on shared cores) then reaches every side alike::
 
     python benchmarks/draft_heads.py --prompts mt_bench.jsonl --drafter eagle1=pretrained/smollm2-eagle1 \\
         --drafter medusa=runs/d24/medusa --draft_vocabs 0,16384,8192,4096 --hybrid eagle1=0,8192 \\
@@ -29,7 +31,7 @@ import time
 import torch
 
 from spectrain.eval.cli import dynamic_tree
-from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+from spectrain.eval.evaluate import evaluate_drafter, in_loop_costs, load_drafter, summarize
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.eval.families import evaluator_of
@@ -49,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft_vocabs", default="0,16384,8192,4096", help="draft vocabulary sizes (0 = full)")
     p.add_argument("--hybrid", action="append", default=[], metavar="NAME=N[,N...]",
                    help="also prompt lookup + drafter NAME at these draft vocabularies")
+    p.add_argument("--lookups", default="0", metavar="L[,L...]",
+                   help="the hybrid's lookup-round lengths to try (0 = --k): each is a row of its own")
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--k_of", action="append", default=[], metavar="NAME=K",
                    help="another chain length for drafter NAME (a block drafter's whole block, say)")
@@ -57,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--ar_each", type=lambda v: {"true": True, "false": False}[v.lower()], default=True,
                    metavar="true|false", help="decode AR again before every drafter call (its speedups' reference)")
+    p.add_argument("--interleave", action="store_true",
+                   help="prompt by prompt: AR, then every drafter setting on that prompt (each setting's turns "
+                        "pooled, its speedup over the pooled AR): the machine's drift reaches every side alike")
     p.add_argument("--out", default="runs/bench/draft_heads.json")
     return p.parse_args(argv)
 
@@ -69,6 +76,53 @@ def sizes(spec: str, what: str) -> list[int]:
     if min(out) < 0:
         raise SpectrainError(f"{what}: sizes must be >= 0, got {spec!r}")
     return out
+
+
+def row(label: str, draft_vocab, setting: str, r: dict, ar_tokens_per_second: float, identical: str) -> dict:
+    """One table row from a setting's summary (printed as it is made)."""
+    print(f"{label} V={draft_vocab} {setting}: tau {r['tau']:.3f}, draft/verify {r['draft_over_verify']:.3f}, "
+          f"speedup {r['speedup']:.3f}", flush=True)
+    return {"drafter": label, "draft_vocab": draft_vocab, "setting": setting, "tau": r["tau"],
+            "draft_over_verify": r["draft_over_verify"], "round_ms": r["round_ms"], "speedup": r["speedup"],
+            "ideal_speedup": r["ideal_speedup"], "tokens_per_second": r["tokens_per_second"],
+            "ar_tokens_per_second": ar_tokens_per_second, "identical_turns": identical}
+
+
+def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, dict]], common: dict):
+    """Prompt by prompt: AR on it, then every job on it, each job first in turn (``--interleave``), so a drift of
+    the machine's speed — ±15 % within minutes on shared cores — reaches AR and every drafter alike. Each setting's
+    turns are pooled over the prompts (:func:`summarize`, as one call would) and its speedup taken against the
+    pooled AR. Returns (rows, calls, the pooled AR summary)."""
+    ar_records, pooled = [], {}  # pooled[(label, setting)] = {"records", "depth", "identical", "turns", ...}
+    for i, prompt in enumerate(prompts):
+        ar = evaluate_drafter(verifier, [prompt], method="none", costs=False, **common).per_prompt["ar"]
+        ar_records += ar
+        for label, _, options in jobs[i % len(jobs):] + jobs[:i % len(jobs)]:  # each job first in turn
+            result = evaluate_drafter(verifier, [prompt], reference=ar, costs=False, **options, **common)
+            for setting, r in result.results.items():
+                if setting == "ar":
+                    continue
+                entry = pooled.setdefault((label, setting), {"records": [], "depth": len(r["alpha"]), "identical": 0,
+                                                             "turns": 0, "draft_vocab": result.draft_vocab,
+                                                             "lookup_rounds": 0.0})
+                entry["records"] += result.per_prompt[setting]
+                entry["lookup_rounds"] += r.get("lookup_round_fraction", 0.0) * r["verifier_forwards"]
+                entry["identical"] += r["identical_turns"]
+                entry["turns"] += r["divergences"]["turns"]
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    ar_summary = summarize(ar_records, 0)
+    rows, calls = [], []
+    for (label, setting), entry in pooled.items():
+        r = summarize(entry["records"], entry["depth"])
+        r["speedup"] = ar_summary["decode_ms_per_token"] / max(r["decode_ms_per_token"], 1e-9)
+        r.update(in_loop_costs(r, ar_summary))
+        if label.startswith("hybrid"):
+            r["lookup_round_fraction"] = round(entry["lookup_rounds"] / max(r["verifier_forwards"], 1), 4)
+        rows.append(row(label, entry["draft_vocab"], setting, r, ar_summary["tokens_per_second"],
+                        f"{entry['identical']}/{entry['turns']}"))
+        calls.append({"drafter": label, "setting": setting, "draft_vocab": entry["draft_vocab"], "results": {
+            "ar": ar_summary, setting: {**r, "identical_turns": entry["identical"]}}})
+    return rows, calls, ar_summary
 
 
 def pairs(specs: list[str], what: str) -> dict[str, str]:
@@ -90,57 +144,60 @@ def run(args: argparse.Namespace, command: str):
     vocabs = sizes(args.draft_vocabs, "--draft_vocabs")
     paths = pairs(args.drafter, "--drafter")
     hybrids = {name: sizes(v, "--hybrid") for name, v in pairs(args.hybrid, "--hybrid").items()}
+    lookups = sizes(args.lookups, "--lookups")
     if set(hybrids) - set(paths):
         raise SpectrainError(f"--hybrid names {sorted(set(hybrids) - set(paths))}, not a --drafter")
     verifier = load_verifier(args.verifier, dtype=torch.bfloat16)
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, first_turns=True, spread=True)
     common = dict(max_new_tokens=args.max_new_tokens, hf_generate=0)
-    evaluate_drafter(verifier, prompts[:2], method="none", max_new_tokens=16, hf_generate=0)  # warm-up, untimed
-    ar = evaluate_drafter(verifier, prompts, method="none", **common)
-    reference, ar_summary = ar.per_prompt["ar"], ar.results["ar"]
-    rows, calls = [], []
+    warm = evaluate_drafter(verifier, prompts[:2], method="none", max_new_tokens=16, hf_generate=0)  # untimed
     chains = {name: int(k) for name, k in pairs(args.k_of, "--k_of").items()}
+    jobs = []  # (label, drafter path, evaluate_drafter keywords)
     for name, path in paths.items():
         drafter = load_drafter(path, verifier)
         method = family_of(drafter).name
         evaluator = evaluator_of(family_of(drafter))
         tree = (dict(tree=args.medusa_tree) if evaluator.rank_trees else
                 dict(dynamic_tree=dynamic_tree(args.dynamic_tree)) if evaluator.dynamic_trees else {})  # else chains
-        jobs = [(method, n) for n in vocabs] + [("hybrid", n) for n in hybrids.get(name, [])]
-        for how, n in jobs:
+        for how, n, lookup in [(method, n, 0) for n in vocabs] + [("hybrid", n, lookup) for n in hybrids.get(name, [])
+                                                                   for lookup in lookups]:
+            label = name if how != "hybrid" else f"hybrid-{name}" + (f"-lookup{lookup}" if lookup else "")
+            jobs.append((label, path, dict(method=how, drafter=drafter, k=chains.get(name, args.k), draft_vocab=n,
+                                           lookup=lookup, **tree)))
+    if args.interleave:  # AR of every prompt decoded beside its drafters (pooled); no separate AR passes
+        rows, calls, ar_summary = interleaved(verifier, prompts, jobs, common)
+        ar_end = None
+    else:
+        ar = evaluate_drafter(verifier, prompts, method="none", **common)
+        reference, ar_summary = ar.per_prompt["ar"], ar.results["ar"]
+        rows, calls = [], []
+        for label, path, options in jobs:
             if args.ar_each:  # AR again, just before: this call's speedups and lossless check are against it
                 reference = evaluate_drafter(verifier, prompts, method="none", **common).per_prompt["ar"]
-            result = evaluate_drafter(verifier, prompts, method=how, drafter=drafter, k=chains.get(name, args.k),
-                                      draft_vocab=n, reference=reference, **tree, **common)
-            label = name if how != "hybrid" else f"hybrid-{name}"
+            result = evaluate_drafter(verifier, prompts, reference=reference, **options, **common)
             calls.append({"drafter": label, "path": path, "draft_vocab": result.draft_vocab,
                           "results": result.results, "costs": result.costs, "planner": result.planner})
             for setting, r in result.results.items():
-                if setting == "ar":
-                    continue
-                rows.append({"drafter": label, "draft_vocab": result.draft_vocab, "setting": setting,
-                             "tau": r["tau"], "draft_over_verify": r["draft_over_verify"], "round_ms": r["round_ms"],
-                             "speedup": r["speedup"], "ideal_speedup": r["ideal_speedup"],
-                             "tokens_per_second": r["tokens_per_second"],
-                             "ar_tokens_per_second": result.results["ar"]["tokens_per_second"],
-                             "identical_turns": f"{r['identical_turns']}/{r['divergences']['turns']}"})
-                print(f"{label} V={result.draft_vocab} {setting}: tau {r['tau']:.3f}, draft/verify "
-                      f"{r['draft_over_verify']:.3f}, speedup {r['speedup']:.3f}", flush=True)
-    ar_end = evaluate_drafter(verifier, prompts, method="none", **common).results["ar"]
+                if setting != "ar":
+                    rows.append(row(label, result.draft_vocab, setting, r, result.results["ar"]["tokens_per_second"],
+                                    f"{r['identical_turns']}/{r['divergences']['turns']}"))
+        ar_end = evaluate_drafter(verifier, prompts, method="none", **common).results["ar"]
     summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "verifier": args.verifier,
-               "drafters": paths, "prompts": args.prompts, "num_prompts": len(prompts), "ar_each": args.ar_each,
+               "drafters": paths, "prompts": args.prompts, "num_prompts": len(prompts),
+               "ar_each": args.ar_each and not args.interleave, "interleave": args.interleave,
                "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16", "device": "cpu",
-               "threads": torch.get_num_threads(), "batch_invariant": ar.batch_invariant,
+               "threads": torch.get_num_threads(), "batch_invariant": warm.batch_invariant,
                "ar": {"tokens_per_second": ar_summary["tokens_per_second"],
                       "decode_ms_per_token": ar_summary["decode_ms_per_token"],
-                      "tokens_per_second_at_end": ar_end["tokens_per_second"]},
+                      "tokens_per_second_at_end": ar_end and ar_end["tokens_per_second"]},
                "rows": rows, "calls": calls}
     table = format_table(["drafter", "draft vocab", "setting", "tau", "draft/verify", "speedup", "ideal", "same as AR"],
                          [[r["drafter"], r["draft_vocab"], r["setting"], r["tau"], r["draft_over_verify"],
                            r["speedup"], r["ideal_speedup"], r["identical_turns"]] for r in rows],
                          title=f"ranked draft heads: {len(prompts)} prompts x {args.max_new_tokens} tokens, bf16; AR "
-                               f"{ar_summary['tokens_per_second']:.1f} tok/s (at the end: "
-                               f"{ar_end['tokens_per_second']:.1f})")
+                               f"{ar_summary['tokens_per_second']:.1f} tok/s " + (
+                                   "(pooled over the prompts, interleaved)" if ar_end is None else
+                                   f"(at the end: {ar_end['tokens_per_second']:.1f})"))
     return finish(summary, args.out, tables=[table])
 
 

@@ -9,7 +9,8 @@ JOB: ``{"target": DIR, "prompt_token_ids": [[...], ...], "max_tokens": N, "dtype
 "runs": [{"name": ..., "speculative_config": {...} | null}, ...]}``. For each run a fresh ``LLM`` generates
 greedily (temperature 0) from the same token ids; OUT records the generated token ids, the speculative
 decoding counters (``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
-``_num_accepted_tokens_per_pos``) and wall time. vLLM's mean acceptance length is
+``_num_accepted_tokens_per_pos``), what the engine resolved from the drafter's config (``draft_config``: a block
+drafter's target layers and mask token) and wall time. vLLM's mean acceptance length is
 ``1 + accepted / drafts``.
 """
 
@@ -20,6 +21,18 @@ import json
 import os
 import sys
 import time
+
+
+def draft_config(llm) -> dict | None:
+    """What the engine resolved from the drafter's config: its ``dflash_config`` (target layer ids, mask token) and
+    aux hidden-state layer ids, as the engine will use them (None when this vLLM does not expose them)."""
+    try:
+        hf_config = llm.llm_engine.vllm_config.speculative_config.draft_model_config.hf_config
+    except AttributeError:
+        return None
+    keys = ("dflash_config", "eagle_aux_hidden_state_layer_ids", "architectures")
+    return {k: json.loads(json.dumps(getattr(hf_config, k), default=str)) for k in keys
+            if getattr(hf_config, k, None) is not None}
 
 
 def run_one(job: dict, run: dict) -> dict:
@@ -45,7 +58,8 @@ def run_one(job: dict, run: dict) -> dict:
               "token_ids": [list(o.outputs[0].token_ids) for o in outputs], "counters": counters,
               "accepted_per_pos": per_pos, "load_seconds": round(loaded - start, 1),
               "generate_seconds": round(done - loaded, 2),
-              "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+              "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+              "draft_config": draft_config(llm) if run.get("speculative_config") else None}
     drafts = counters.get("num_drafts", 0)
     record["mean_acceptance_length"] = 1 + counters.get("num_accepted_tokens", 0) / drafts if drafts else None
     del llm

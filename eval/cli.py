@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min_match_sampled", type=int, default=4,
                    help="--method hybrid at --temperature > 0: the same for chain rounds (lookup drafts are "
                         "deterministic, accepted with probability q(c): only long matches pay)")
+    p.add_argument("--lookup", type=int, default=0, metavar="N",
+                   help="--method hybrid: tokens a lookup round drafts (a chain's lookup rounds and a tree's lookup "
+                        "branch; default --k): lookup drafts cost nothing to make, so a chain's can be longer "
+                        "than the learned drafter's, for a wider verify pass")
     p.add_argument("--draft_model", default=None, help="draft LM for --method draft-model (same tokenizer)")
     p.add_argument("--draft_layers", type=int, default=1, help="layers kept by --method truncated")
     p.add_argument("--allow_verifier_mismatch", action="store_true",
@@ -111,6 +115,7 @@ def draft_options(args) -> dict:
     """The flags that say how to draft and decode, as :func:`evaluate_drafter` keywords."""
     return dict(method=args.method, k=args.k, tree=args.tree, dynamic_tree=dynamic_tree(args.dynamic_tree),
                 draft_layers=args.draft_layers, min_match=args.min_match, min_match_sampled=args.min_match_sampled,
+                lookup=args.lookup,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 compile=args.compile, seed=args.seed)
 

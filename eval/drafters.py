@@ -224,8 +224,11 @@ def merge_branch(tokens: list[int], tree: Tree, branch: list[int]) -> tuple[list
 class HybridDrafter(Drafter):
     """Prompt lookup and a learned drafter (Medusa or EAGLE) in one decoder.
 
-    * ``merge=False`` (a chain): each round drafts the lookup's continuation when the context's last
-      ``min_match`` or more tokens occurred earlier, and the learned drafter's chain otherwise. At T > 0 the
+    * ``merge=False`` (a chain): each round drafts the lookup's continuation (``lookup`` tokens, default ``k``)
+      when the context's last ``min_match`` or more tokens occurred earlier, and the learned drafter's chain of
+      ``k`` otherwise. A lookup chain costs nothing to draft, so a longer one adds τ for the price of a wider
+      verify pass (which did not pay on a 2-core CPU: docs/evaluation.md); its rounds bring their own chain, so
+      the verifier sees ``lookup + 1`` rows then. At T > 0 the
       match must be ``min_match_sampled`` tokens long (n-grams that long are looked up): a deterministic lookup
       token is accepted with probability q(c) while the learned drafter's sampled draft is accepted with
       min(1, q/p), so only long matches pay there (SmolLM2 + EAGLE-1, 16 MT-bench prompts, T = 1: accepted
@@ -243,8 +246,13 @@ class HybridDrafter(Drafter):
     name = "hybrid"
 
     def __init__(self, learned: Drafter, k: int, merge: bool, max_ngram: int = MAX_NGRAM, min_match: int = 2,
-                 min_match_sampled: int = 4):
+                 min_match_sampled: int = 4, lookup: int | None = None):
         check_min_match(min_match, min_match_sampled, max_ngram)
+        if lookup is not None and merge:
+            raise SpectrainError(f"a hybrid tree's lookup branch is its k ({k}); a separate lookup length ({lookup}) "
+                                 "is for chains")
+        if lookup is not None and lookup < 1:
+            raise SpectrainError(f"a hybrid chain's lookup length must be >= 1, got {lookup}")
         if not isinstance(learned, Drafter) or isinstance(learned, (HybridDrafter, Autoregressive, NgramDrafter)):
             raise SpectrainError(f"hybrid drafting takes a learned drafter (any registered family), not "
                                  f"{getattr(learned, 'name', type(learned).__name__)}")
@@ -252,6 +260,9 @@ class HybridDrafter(Drafter):
             raise SpectrainError(f"a hybrid chain of {k} needs a learned chain of {k}, got {learned.tree.size} nodes")
         super().__init__(learned.tree)
         self.learned, self.k, self.merge, self.max_ngram = learned, k, merge, max_ngram
+        self.lookup = lookup or k  # tokens a lookup round drafts (a tree: the merged branch, k)
+        # A chain's lookup rounds of another length than the learned chain bring their own chain (built once).
+        self.lookup_tree = Tree.chain(self.lookup) if self.lookup != learned.tree.size and not merge else None
         self.min_match, self.min_match_sampled = min_match, min_match_sampled
         self.wants_features, self.capture_layers = learned.wants_features, learned.capture_layers
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -259,10 +270,12 @@ class HybridDrafter(Drafter):
 
     @property
     def max_nodes(self) -> int:
-        return self.learned.max_nodes + (self.k if self.merge else 0)
+        return self.learned.max_nodes + self.k if self.merge else max(self.learned.max_nodes, self.lookup)
 
     def start(self, state: DraftState, verifier: StaticCausalLM) -> None:
         self.pending = []
+        if self.lookup_tree is not None:
+            self.lookup_tree = self.lookup_tree.to(verifier.device)
         self.learned.start(state, verifier)
 
     def propose(self, state: DraftState) -> Proposal:
@@ -270,12 +283,13 @@ class HybridDrafter(Drafter):
         if self.wants_features:  # cloned: the verifier's output buffers may be reused by the next forward
             self.pending.append((state.new_features.clone(), state.new_tokens.clone()))
         greedy = state.sampling.greedy
-        n, follow = prompt_lookup(state.history or state.tokens[:state.length].tolist(), self.k,
+        n, follow = prompt_lookup(state.history or state.tokens[:state.length].tolist(), self.lookup,
                                   self.max_ngram if greedy else max(self.max_ngram, self.min_match_sampled))
         found = n >= (self.min_match if greedy else self.min_match_sampled)
         if found and not self.merge:
             self.lookup_rounds += 1
-            return Proposal(tokens=torch.tensor(follow, dtype=torch.long, device=state.tokens.device))
+            return Proposal(tokens=torch.tensor(follow, dtype=torch.long, device=state.tokens.device),
+                            tree=self.lookup_tree)
         if self.wants_features:
             state.new_features = torch.cat([f for f, _ in self.pending])
             state.new_tokens = torch.cat([t for _, t in self.pending])

@@ -86,6 +86,10 @@ class Settings:
             raise SpectrainError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.method == "hybrid":
             check_min_match(self.min_match, self.min_match_sampled)
+        if not isinstance(self.lookup, int) or self.lookup < 0:
+            raise SpectrainError(f"--lookup must be an integer >= 0 (0: k), got {self.lookup!r}")
+        if self.lookup and self.method != "hybrid":
+            raise SpectrainError(f"--lookup is the hybrid's lookup length; --method {self.method} has no lookup")
         if self.tree and self.tree.startswith("auto:") and not (self.tree[5:].isdigit() and int(self.tree[5:]) > 0):
             raise SpectrainError(f"--tree auto:N takes a node count N >= 1, got {self.tree!r}")
 
@@ -214,6 +218,8 @@ def verify_sizes(s: Settings) -> list[int]:
     if s.method == "none":
         return [1]
     sizes, lookup = [s.k], lookup_length(s)
+    if s.method == "hybrid" and s.k and lookup != s.k:  # a chain's lookup rounds bring their own length
+        sizes.append(lookup)
     if s.auto_nodes:
         sizes.append(s.auto_nodes + lookup)
     elif s.tree:
@@ -294,7 +300,9 @@ def build_hybrid(s: Settings, tree: Tree, model, learned, name: str, vocab: torc
         inner = learned_drafter(learned, model, tree, (depth, topk, budget - k), vocab)
         return HybridDrafter(inner, k, merge=True, **options)
     inner = learned_drafter(learned, model, tree, vocab=vocab)
-    return HybridDrafter(inner, tree.size if tree.is_chain else k, merge=not tree.is_chain, **options)
+    if tree.is_chain:  # lookup rounds draft ``lookup`` tokens (default: the chain's k)
+        return HybridDrafter(inner, tree.size, merge=False, lookup=s.lookup or None, **options)
+    return HybridDrafter(inner, k, merge=True, **options)
 
 
 # -------------------------------------------------------------------------------------------- runs
@@ -518,7 +526,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         tree: a static tree as JSON rank paths (inline or a file), or ``auto:N`` for the best N-node tree from
             the Medusa heads' rank accuracies measured on AR's outputs.
         dynamic_tree: ``(depth, topk, budget)`` of an EAGLE-2 dynamic tree (eagle, draft-model, truncated, hybrid).
-        lookup: a hybrid's lookup branch length in trees (default ``k``, else the tree's depth); chains use ``k``.
+        lookup: the tokens a hybrid's lookup round drafts: a chain's lookup rounds (default ``k``) and a tree's
+            lookup branch (default ``k``, else the tree's depth).
         min_match, min_match_sampled: a hybrid's lookup threshold at T = 0 and at T > 0.
         temperature, top_p, top_k: decoding (T = 0: greedy, where every output must equal AR's).
         chat_template: render turns with the tokenizer's chat template (None: when it has one).
@@ -574,7 +583,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
     if max_len is None:
         longest = max(len(encode_turn(tokenizer, [{"role": "user", "content": t}], use_template))
                       for p in prompts for t in p)
-        max_len = min(context, max(len(p) for p in prompts) * (longest + max_new_tokens + 16) + 80)
+        widest = max(verify_sizes(s))  # the widest verify pass (a hybrid's lookup rounds included)
+        max_len = min(context, max(len(p) for p in prompts) * (longest + max_new_tokens + 16) + max(80, widest))
     # Verifier layers the drafter reads besides the last hidden state (EAGLE-3's fused layers, DFlash's targets).
     evaluator = (evaluator_of(family_of(drafter)) if drafter is not None and method in learned_methods() + ("hybrid",)
                  else None)
@@ -626,7 +636,10 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
             summary["expected_accept_length"] = expected_accept_length(shape_tree.paths, calibration["rank_accuracy"])
         summary.update(in_loop_costs(summary, results["ar"]))
         if costs:  # isolated probes at one context length: what the planner prices settings not run with
-            verified = shape_tree if spec.max_nodes == shape_tree.size else Tree.chain(spec.max_nodes)
+            # A hybrid chain's own rounds verify k + 1 (its lookup rounds bring their own length); a merged or
+            # dynamic tree verifies its whole budget.
+            own_chain = isinstance(spec, HybridDrafter) and not spec.merge
+            verified = shape_tree if spec.max_nodes == shape_tree.size or own_chain else Tree.chain(spec.max_nodes)
             tv, td = verify_cost(runner, verified, len(probe_prompt)), draft_cost(spec, state)
             cost_table["settings"][name] = {"t_verify_ms": 1000 * tv, "t_draft_ms": 1000 * td,
                                             "draft_over_verify": td / max(tv, 1e-12),
@@ -667,7 +680,8 @@ def plan_speedups(s: Settings, results: dict, trees: dict, runner, model, learne
     in_loop = (chain is not None and s.k in t_verify and chain.get("round_ms") is not None
                and results["ar"].get("round_ms") is not None)
     if chain is not None:
-        depth = len(chain["alpha"])
+        # A hybrid's α reaches its lookup rounds' depth; the chains priced are the learned drafter's (up to k).
+        depth = min(len(chain["alpha"]), s.k) if s.method == "hybrid" else len(chain["alpha"])
         for n in range(1, depth + 1):
             if n not in t_verify:
                 t_verify[n] = verify_cost(runner, Tree.chain(n), context)

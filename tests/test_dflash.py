@@ -249,6 +249,13 @@ def test_a_trained_run_measures_tau_evaluates_and_reloads(verifier_factory, tmp_
     result = evaluate_drafter(verifier, prompts, method="dflash", drafter=drafter, k=3, max_new_tokens=12,
                               hf_generate=0, costs=False, chat_template=False)
     assert result.results["chain-3"]["identical_to_ar"]
+    # A hybrid chain whose lookup rounds draft past the block, costs and planner on: the planner prices the
+    # drafter's own chains (up to k), the cost probe verifies k + 1 (not the lookup rounds' width).
+    hybrid = evaluate_drafter(verifier, prompts, method="hybrid", drafter=drafter, k=3, lookup=6, max_new_tokens=12,
+                              hf_generate=0, chat_template=False)
+    assert hybrid.results["chain-3"]["identical_to_ar"] and hybrid.results["chain-3"]["tree_size"] == 6
+    assert [row["n"] for row in hybrid.planner["chains"]] == [1, 2, 3]
+    assert hybrid.costs["settings"]["chain-3"]["t_verify_ms"] > 0
     with pytest.raises(SpectrainError, match="4 deep but the drafter drafts at most 3 deep"):
         evaluate_drafter(verifier, prompts, method="dflash", drafter=drafter, k=4, max_new_tokens=4, hf_generate=0,
                          costs=False, chat_template=False)
@@ -438,3 +445,78 @@ def test_norm_init_from_the_verifier(verifier_factory):
     assert torch.equal(fresh.drafter.norm.weight, torch.ones_like(fresh.drafter.norm.weight))
     with pytest.raises(SpectrainError, match="norm_init must be default or verifier"):
         DFlashModule(verifier=verifier, verifier_dtype="float32", norm_init="zeros")
+
+
+def test_engine_check_dflash_control_drafts_its_token_through_the_mask_slots_only(bigram, tmp_path):
+    """The engine check's DFlash control proposes its token in every slot, read back from its speculators export
+    (the layout vLLM gets); filled with another mask token it proposes something else. Its two mistaken exports
+    differ from the right one in exactly the field they break."""
+    from spectrain.heads.formats import export_drafter, import_drafter
+    from spectrain.heads.io import read_json
+    from tests.scripts import load_script
+
+    engine_check = load_script("engine_check")
+    model, _ = bigram
+    head = model.get_output_embeddings().weight.float()
+    token = next(t for t in range(head.shape[0]) if int((head @ head[t]).argmax()) == t)
+    control = engine_check.dflash_control(model, None, token, drafts=4)
+    export = export_drafter(control, "speculators-dflash", tmp_path / "control",
+                            verifier_lm_head=model.get_output_embeddings(), verifier_name="v")
+
+    def proposals(drafter) -> list[list[int]]:
+        chain, seen = DFlashChainDrafter(drafter.eval(), model, 4), []
+        real = chain.propose
+
+        def record(state):
+            proposal = real(state)
+            seen.append(proposal.tokens.tolist())
+            return proposal
+
+        chain.propose = record
+        generate(StaticCausalLM(model, max_len=64), chain, PROMPT, 12)
+        return seen
+
+    loaded = import_drafter(export, verifier_model=model)
+    drafted = proposals(loaded)
+    assert drafted and all(p == [token] * 4 for p in drafted)
+    loaded.config.mask_token_id = (loaded.config.mask_token_id + 1) % head.shape[0]
+    assert any(p != [token] * 4 for p in proposals(loaded))
+    right = read_json(export / "config.json", "config")
+    for mistake, field in (("layers", "aux_hidden_state_layer_ids"), ("mask", "mask_token_id")):
+        wrong = read_json(engine_check.mistaken_export(export, tmp_path / mistake, mistake, head.shape[0])
+                          / "config.json", "config")
+        assert {k for k in right if right[k] != wrong[k]} == {field}
+
+
+def test_engine_check_verdicts_can_fail():
+    """engine_check.judge on made-up engine runs: a block drafter passes only with identical outputs, τ in the band
+    and the engine resolving its own layers and mask token; a mistaken export passes only when the engine resolved
+    something else; a control only at its predicted count."""
+    from tests.scripts import load_script
+
+    judge = load_script("engine_check").judge
+    expected = {"target_layer_ids": [1, 3], "mask_token_id": 0}
+    greedy = [[5, 7, 7, 9], [7, 7, 7, 2]]
+    ours = {"tau": 2.0, "accepted": 10, "rounds": 10}
+
+    def run(tau=2.05, outputs=greedy, layers=(1, 3), mask=0, accepted=10, config=True):
+        return {"token_ids": outputs, "mean_acceptance_length": tau, "counters": {"num_accepted_tokens": accepted},
+                "accepted_per_pos": [], "generate_seconds": 1.0, "draft_config": {"dflash_config": {
+                    "target_layer_ids": list(layers), "mask_token_id": mask}} if config else None}
+
+    block = {"expected": expected}
+    assert judge(block, run(), ours, greedy, 0.1, 7, 3)[0]
+    assert not judge(block, run(tau=2.5), ours, greedy, 0.1, 7, 3)[0]
+    assert not judge(block, run(outputs=[[5, 7, 7, 9], [7, 7, 7, 3]]), ours, greedy, 0.1, 7, 3)[0]
+    ok, note, found = judge(block, run(layers=(0, 2)), ours, greedy, 0.1, 7, 3)
+    assert not ok and "engine target_layer_ids [0, 2], trained [1, 3]" in note and found["fields_match"] is False
+    assert not judge(block, run(config=False), ours, greedy, 0.1, 7, 3)[0]
+    wrong = {"expected": expected, "must_differ": "layers"}
+    ok, note, _ = judge(wrong, run(layers=(0, 2)), ours, greedy, 0.1, 7, 3)
+    assert ok and note.startswith(" (caught") and "would not" in note  # τ 2.05 is inside the band
+    ok, note, _ = judge(wrong, run(), ours, greedy, 0.1, 7, 3)
+    assert not ok and "NOT caught" in note
+    control = {"control_token": 7, "expected": expected}  # 7 runs: [7, 7] after the first token, then [7, 7]
+    predicted = load_script("engine_check").predicted_acceptance(greedy, 7, 3)["num_accepted_tokens"]
+    assert judge(control, run(accepted=predicted), ours, greedy, 0.1, 7, 3)[0]
+    assert not judge(control, run(accepted=predicted + 1), ours, greedy, 0.1, 7, 3)[0]

@@ -236,13 +236,13 @@ def test_engine_check_measures_our_tau_through_the_api(setup, tmp_path):
     verifier = load_verifier(str(verifier_dir))
     args = argparse.Namespace(k=3, max_new_tokens=8)
     prompts = [["tell me of the king"], ["the river ran"]]
-    first = our_tau(args, verifier, "medusa", root / "heads", prompts, tmp_path / "ours")
+    first = our_tau(args, verifier, "medusa", root / "heads", prompts, tmp_path / "ours", 3)
     assert first["identical_to_ar"] is True
     assert first["prompt_ids"][0] == verifier.tokenizer.apply_chat_template(  # the ids vLLM is then given
         [{"role": "user", "content": "tell me of the king"}], add_generation_prompt=True, tokenize=True,
         return_dict=False)
     stamp = (tmp_path / "ours" / "eval.json").stat().st_mtime_ns
-    assert our_tau(args, verifier, "medusa", root / "heads", prompts, tmp_path / "ours") == first
+    assert our_tau(args, verifier, "medusa", root / "heads", prompts, tmp_path / "ours", 3) == first
     assert (tmp_path / "ours" / "eval.json").stat().st_mtime_ns == stamp  # resumed from the cached row
 
 

@@ -83,6 +83,42 @@ def test_hybrid_is_at_least_as_good_as_lookup_on_repetitive_text(bigram):
     assert lookup > 0 and rounds_hybrid <= rounds_lookup
 
 
+def test_longer_lookup_rounds_stay_lossless_and_accept_more(bigram):
+    """A chain hybrid whose lookup rounds draft 3K tokens (its EAGLE rounds K): the same greedy tokens as AR, lookup
+    rounds that accept more than K, and fewer verify rounds than with lookup rounds of K on repeating text."""
+    model, _ = bigram
+    runner = StaticCausalLM(model, max_len=160)
+    eagle = EagleChainDrafter(oracle_eagle1(model, noise=0.5), model, K)
+    long = HybridDrafter(eagle, K, merge=False, lookup=3 * K)
+    assert long.max_nodes == 3 * K
+    rounds = {}
+    for name, hybrid in (("k", HybridDrafter(eagle, K, merge=False)), ("3k", long)):
+        rounds[name] = 0
+        for prompt in repeated_prompts():
+            out = generate(runner, hybrid, prompt, 48)
+            assert out.tokens == hf_greedy(model, prompt, 48)
+            rounds[name] += len(out.accept_lengths)
+            if name == "3k":
+                assert max(out.accept_lengths) > K, "a lookup round of 3K accepts past K on repeating text"
+    assert rounds["3k"] < rounds["k"]
+    with pytest.raises(SpectrainError, match="lookup length must be >= 1"):
+        HybridDrafter(eagle, K, merge=False, lookup=0)
+    with pytest.raises(SpectrainError, match="lookup branch is its k"):
+        HybridDrafter(EagleTreeDrafter(oracle_eagle1(model, noise=0.5), model, tree=Tree.chain(2)), K, merge=True,
+                      lookup=8)
+
+
+def test_lookup_length_sizes_the_verify_passes_and_is_checked():
+    from spectrain.eval.evaluate import Settings, verify_sizes
+
+    assert verify_sizes(Settings(method="hybrid", k=5, lookup=10)) == [1, 6, 11]
+    assert verify_sizes(Settings(method="hybrid", k=5)) == [1, 6]
+    with pytest.raises(SpectrainError, match="--lookup must be an integer >= 0"):
+        Settings(method="hybrid", lookup=-1).check()
+    with pytest.raises(SpectrainError, match="--method eagle has no lookup"):
+        Settings(method="eagle", lookup=8).check()
+
+
 def test_bad_hybrid_settings_are_refused(bigram):
     model, _ = bigram
     eagle = EagleChainDrafter(oracle_eagle1(model, noise=0.5), model, K)
