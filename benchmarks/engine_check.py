@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from spectrain.heads.dflash import DFlashConfig, DFlashDrafter, default_mask_token
+from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.families import family_for_method
@@ -189,10 +189,8 @@ def engine_fields(draft_config: dict | None) -> dict | None:
     return {"target_layer_ids": list(resolved["target_layer_ids"]), "mask_token_id": resolved.get("mask_token_id")}
 
 
-def field_diff(resolved: dict | None, expected: dict) -> str:
+def field_diff(resolved: dict, expected: dict) -> str:
     """'engine mask_token_id 1, trained 0' for each field that differs."""
-    if resolved is None:
-        return "the engine did not say what it resolved"
     return ", ".join(f"engine {k} {resolved.get(k)}, trained {v}" for k, v in expected.items() if resolved.get(k) != v)
 
 

@@ -135,6 +135,7 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
     mask_rows = verify_mask_rows(tree)
     depth_positions = torch.cat([tree.depth.new_zeros(1), tree.depth])
     static_tree, static_mask_rows, static_depth_positions = tree, mask_rows, depth_positions
+    brought_from = brought = brought_rows = brought_depths = None  # the last tree a proposal brought, prepared
     tokens = torch.zeros(verifier.max_len, dtype=torch.long, device=device)
     tokens[:len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
 
@@ -172,10 +173,12 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         clock.stamp()
         proposal = drafter.propose(state)
         clock.stamp()
-        if proposal.tree is not None:  # a dynamic tree: this round's structure
-            tree = proposal.tree.to(device)
-            mask_rows = verify_mask_rows(tree)
-            depth_positions = torch.cat([tree.depth.new_zeros(1), tree.depth])
+        if proposal.tree is not None:  # this round's structure (a dynamic tree; a hybrid's lookup chain)
+            if proposal.tree is not brought_from:  # a new tree (a dynamic one every round; a lookup chain once)
+                brought_from, brought = proposal.tree, proposal.tree.to(device)
+                brought_rows = verify_mask_rows(brought)
+                brought_depths = torch.cat([brought.depth.new_zeros(1), brought.depth])
+            tree, mask_rows, depth_positions = brought, brought_rows, brought_depths
         elif tree is not static_tree:  # back to the drafter's own tree after a round that brought its own
             tree, mask_rows, depth_positions = static_tree, static_mask_rows, static_depth_positions
         n = tree.size
