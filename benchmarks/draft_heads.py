@@ -18,7 +18,8 @@ Prints a table and writes the JSON (its path is the last line printed): rows wit
 ``round_ms`` (draft / verify / the rest of a round), ``speedup`` (over AR decoded right before that drafter's
 call: ``--ar_each``, the default, so the machine's drift over a long run does not enter the ratios; ``--ar_each
 false``: over the run's first AR), ``ideal_speedup`` (τ × AR's ms per token / a round's draft + verify),
-``identical_turns``.
+``identical_turns``, ``alpha`` (α by depth) and ``mean_drafted_depth`` (a chain's drafts per round).
+``--min_confidence NAME=P`` adds NAME's chain cut per round by its confidence head (DSpark's; rows ``NAME-confP``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from spectrain.eval.cli import dynamic_tree
 from spectrain.eval.evaluate import evaluate_drafter, in_loop_costs, load_drafter, summarize
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.eval.families import evaluator_of
+from spectrain.eval.families import check_confidence, evaluator_of
 from spectrain.heads.families import family_of
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
@@ -48,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a drafter of any registered family (Medusa, EAGLE-1, DFlash; repeat)")
     p.add_argument("--prompts", required=True, help="MT-bench-style jsonl ({'turns': [...], 'category': ...})")
     p.add_argument("--num_prompts", type=int, default=16)
-    p.add_argument("--draft_vocabs", default="0,16384,8192,4096", help="draft vocabulary sizes (0 = full)")
+    p.add_argument("--draft_vocabs", default="0,16384,8192,4096",
+                   help="draft vocabulary sizes (0 = full; an EAGLE-3 drafter always drafts over its own)")
     p.add_argument("--hybrid", action="append", default=[], metavar="NAME=N[,N...]",
                    help="also prompt lookup + drafter NAME at these draft vocabularies")
     p.add_argument("--lookups", default="0", metavar="L[,L...]",
@@ -56,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--k_of", action="append", default=[], metavar="NAME=K",
                    help="another chain length for drafter NAME (a block drafter's whole block, say)")
+    p.add_argument("--min_confidence", action="append", default=[], metavar="NAME=P[,P...]",
+                   help="also NAME's chain cut per round by its confidence head at each P (rows 'NAME-confP')")
     p.add_argument("--dynamic_tree", default="6,8,64", help="EAGLE's tree")
     p.add_argument("--medusa_tree", default="auto:64", help="Medusa's tree")
     p.add_argument("--max_new_tokens", type=int, default=128)
@@ -82,7 +86,8 @@ def row(label: str, draft_vocab, setting: str, r: dict, ar_tokens_per_second: fl
     """One table row from a setting's summary (printed as it is made)."""
     print(f"{label} V={draft_vocab} {setting}: tau {r['tau']:.3f}, draft/verify {r['draft_over_verify']:.3f}, "
           f"speedup {r['speedup']:.3f}", flush=True)
-    return {"drafter": label, "draft_vocab": draft_vocab, "setting": setting, "tau": r["tau"],
+    return {"drafter": label, "draft_vocab": draft_vocab, "setting": setting, "tau": r["tau"], "alpha": r["alpha"],
+            "mean_drafted_depth": r.get("mean_drafted_depth"),
             "draft_over_verify": r["draft_over_verify"], "round_ms": r["round_ms"], "speedup": r["speedup"],
             "ideal_speedup": r["ideal_speedup"], "tokens_per_second": r["tokens_per_second"],
             "ar_tokens_per_second": ar_tokens_per_second, "identical_turns": identical}
@@ -104,11 +109,12 @@ def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, d
                     continue
                 entry = pooled.setdefault((label, setting), {"records": [], "depth": len(r["alpha"]), "identical": 0,
                                                              "turns": 0, "draft_vocab": result.draft_vocab,
-                                                             "lookup_rounds": 0.0})
+                                                             "lookup_rounds": 0.0, "divergences": []})
                 entry["records"] += result.per_prompt[setting]
                 entry["lookup_rounds"] += r.get("lookup_round_fraction", 0.0) * r["verifier_forwards"]
                 entry["identical"] += r["identical_turns"]
                 entry["turns"] += r["divergences"]["turns"]
+                entry["divergences"].append({"prompt": i, **r["divergences"]})  # each parting's margins
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     ar_summary = summarize(ar_records, 0)
     rows, calls = [], []
@@ -120,9 +126,27 @@ def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, d
             r["lookup_round_fraction"] = round(entry["lookup_rounds"] / max(r["verifier_forwards"], 1), 4)
         rows.append(row(label, entry["draft_vocab"], setting, r, ar_summary["tokens_per_second"],
                         f"{entry['identical']}/{entry['turns']}"))
+        divergences = entry["divergences"]
+        measured = [c for d in divergences for c in d["cases"] if c["replayed"]]
+        pooled_divergences = {"turns": entry["turns"], "diverged": sum(d["diverged"] for d in divergences),
+                              "near_ties": sum(d["near_ties"] for d in divergences),
+                              "max_margin": max((max(c["margin_verify"], c["margin_ar"]) for c in measured),
+                                                default=0.0),
+                              "per_prompt": divergences}
         calls.append({"drafter": label, "setting": setting, "draft_vocab": entry["draft_vocab"], "results": {
-            "ar": ar_summary, setting: {**r, "identical_turns": entry["identical"]}}})
+            "ar": ar_summary, setting: {**r, "identical_turns": entry["identical"],
+                                        "divergences": pooled_divergences}}})
     return rows, calls, ar_summary
+
+
+def confidence_levels(spec: str) -> list[float]:
+    try:
+        out = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise SpectrainError(f"--min_confidence takes NAME=P[,P...], probabilities, got {spec!r}") from None
+    if not all(0 < p < 1 for p in out):
+        raise SpectrainError(f"--min_confidence levels must lie in (0, 1), got {spec!r}")
+    return out
 
 
 def pairs(specs: list[str], what: str) -> dict[str, str]:
@@ -144,9 +168,11 @@ def run(args: argparse.Namespace, command: str):
     vocabs = sizes(args.draft_vocabs, "--draft_vocabs")
     paths = pairs(args.drafter, "--drafter")
     hybrids = {name: sizes(v, "--hybrid") for name, v in pairs(args.hybrid, "--hybrid").items()}
+    confidences = {name: confidence_levels(v) for name, v in pairs(args.min_confidence, "--min_confidence").items()}
     lookups = sizes(args.lookups, "--lookups")
-    if set(hybrids) - set(paths):
-        raise SpectrainError(f"--hybrid names {sorted(set(hybrids) - set(paths))}, not a --drafter")
+    for flag, names in (("--hybrid", hybrids), ("--min_confidence", confidences)):
+        if set(names) - set(paths):
+            raise SpectrainError(f"{flag} names {sorted(set(names) - set(paths))}, not a --drafter")
     verifier = load_verifier(args.verifier, dtype=torch.bfloat16)
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, first_turns=True, spread=True)
     common = dict(max_new_tokens=args.max_new_tokens, hf_generate=0)
@@ -159,11 +185,19 @@ def run(args: argparse.Namespace, command: str):
         evaluator = evaluator_of(family_of(drafter))
         tree = (dict(tree=args.medusa_tree) if evaluator.rank_trees else
                 dict(dynamic_tree=dynamic_tree(args.dynamic_tree)) if evaluator.dynamic_trees else {})  # else chains
-        for how, n, lookup in [(method, n, 0) for n in vocabs] + [("hybrid", n, lookup) for n in hybrids.get(name, [])
-                                                                   for lookup in lookups]:
+        eagle3 = getattr(drafter, "is_eagle3", False)  # drafts over its own draft vocabulary: no --draft_vocabs
+        own, hybrid_vocabs = (([None], [None] if hybrids.get(name) else []) if eagle3 else
+                              (vocabs, hybrids.get(name, [])))
+        for how, n, lookup in [(method, n, 0) for n in own] + [("hybrid", n, lookup) for n in hybrid_vocabs
+                                                                for lookup in lookups]:
             label = name if how != "hybrid" else f"hybrid-{name}" + (f"-lookup{lookup}" if lookup else "")
             jobs.append((label, path, dict(method=how, drafter=drafter, k=chains.get(name, args.k), draft_vocab=n,
                                            lookup=lookup, **tree)))
+        if confidences.get(name):
+            check_confidence(drafter)  # before any job runs
+        for level in confidences.get(name, []):  # the chain alone, at its default draft head
+            jobs.append((f"{name}-conf{level:g}", path, dict(method=method, drafter=drafter,
+                                                             k=chains.get(name, args.k), min_confidence=level)))
     if args.interleave:  # AR of every prompt decoded beside its drafters (pooled); no separate AR passes
         rows, calls, ar_summary = interleaved(verifier, prompts, jobs, common)
         ar_end = None

@@ -39,7 +39,8 @@ def eval_rows(paths: list[str], row_name: str | None) -> list[dict]:
                 if r["drafter"] == row_name:
                     rows.append({"prompts": f"{r['set']} ({r['prompts']})", "setting": r["setting"],
                                  "temperature": r["temperature"], "dtype": e["settings"].get("dtype", "?"),
-                                 "tau": round(r["tau"], 3), "alpha": [round(a, 3) for a in r["alpha"]],
+                                 "tau": round(r["tau"], 3), "alpha": [None if a is None else round(a, 3)
+                                                                      for a in r["alpha"]],
                                  "command": e["command"]})
             continue
         if not isinstance(e, dict) or not isinstance(e.get("results"), dict) or "sampling" not in e:
@@ -49,7 +50,7 @@ def eval_rows(paths: list[str], row_name: str | None) -> list[dict]:
                 continue
             rows.append({"prompts": f"{Path(e['prompts']).name} ({e['num_prompts']})", "setting": name,
                          "temperature": e["sampling"]["temperature"], "dtype": e["dtype"],
-                         "tau": round(r["tau"], 3), "alpha": [round(a, 3) for a in r["alpha"]],
+                         "tau": round(r["tau"], 3), "alpha": [None if a is None else round(a, 3) for a in r["alpha"]],
                          "command": e["command"]})
     return rows
 

@@ -45,6 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--method hybrid: tokens a lookup round drafts (a chain's lookup rounds and a tree's lookup "
                         "branch; default --k): lookup drafts cost nothing to make, so a chain's can be longer "
                         "than the learned drafter's, for a wider verify pass")
+    p.add_argument("--min_confidence", type=float, default=0.0, metavar="P",
+                   help="a chain verifies only the drafts its confidence head expects to survive: the longest "
+                        "prefix whose predicted probability of being accepted whole is >= P (DSpark drafters "
+                        "trained with --model.confidence_head; also a hybrid's learned rounds); 0: every draft")
     p.add_argument("--draft_model", default=None, help="draft LM for --method draft-model (same tokenizer)")
     p.add_argument("--draft_layers", type=int, default=1, help="layers kept by --method truncated")
     p.add_argument("--allow_verifier_mismatch", action="store_true",
@@ -115,7 +119,7 @@ def draft_options(args) -> dict:
     """The flags that say how to draft and decode, as :func:`evaluate_drafter` keywords."""
     return dict(method=args.method, k=args.k, tree=args.tree, dynamic_tree=dynamic_tree(args.dynamic_tree),
                 draft_layers=args.draft_layers, min_match=args.min_match, min_match_sampled=args.min_match_sampled,
-                lookup=args.lookup,
+                lookup=args.lookup, min_confidence=args.min_confidence,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 compile=args.compile, seed=args.seed)
 

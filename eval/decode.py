@@ -27,6 +27,9 @@ class Generation:
     tokens: list[int]
     accept_lengths: list[int] = field(default_factory=list)
     emitted_per_round: list[int] = field(default_factory=list)
+    #: each round's deepest draft (the verified tree's depth): a round of another depth than the drafter's own
+    #: (a hybrid's lookup round, a chain cut by confidence) reaches only its own depths, which α must know
+    drafted_depths: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     stop: str = "length"
@@ -135,7 +138,9 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
     mask_rows = verify_mask_rows(tree)
     depth_positions = torch.cat([tree.depth.new_zeros(1), tree.depth])
     static_tree, static_mask_rows, static_depth_positions = tree, mask_rows, depth_positions
-    brought_from = brought = brought_rows = brought_depths = None  # the last tree a proposal brought, prepared
+    static_depth = depth = tree.max_depth
+    # the last tree a proposal brought, prepared (its mask rows, positions and depth: host work once per tree)
+    brought_from = brought = brought_rows = brought_depths = brought_depth = None
     tokens = torch.zeros(verifier.max_len, dtype=torch.long, device=device)
     tokens[:len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
 
@@ -178,9 +183,11 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
                 brought_from, brought = proposal.tree, proposal.tree.to(device)
                 brought_rows = verify_mask_rows(brought)
                 brought_depths = torch.cat([brought.depth.new_zeros(1), brought.depth])
-            tree, mask_rows, depth_positions = brought, brought_rows, brought_depths
+                brought_depth = brought.max_depth
+            tree, mask_rows, depth_positions, depth = brought, brought_rows, brought_depths, brought_depth
         elif tree is not static_tree:  # back to the drafter's own tree after a round that brought its own
-            tree, mask_rows, depth_positions = static_tree, static_mask_rows, static_depth_positions
+            tree, mask_rows, depth_positions, depth = (static_tree, static_mask_rows, static_depth_positions,
+                                                       static_depth)
         n = tree.size
         ids = torch.cat([state.tokens[state.length - 1:state.length], proposal.tokens])
         base = verifier.length
@@ -197,8 +204,8 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         path_tokens = proposal.tokens.gather(0, verdict.path[0].clamp_min(0)) if n else verdict.bonus[:0]
         # The round's one host sync: accept length, path, its tokens and the bonus together.
         a, *rest = torch.cat([verdict.accept_length, verdict.path[0], path_tokens, verdict.bonus]).tolist()
-        depth = verdict.path.shape[1]
-        new = rest[depth:depth + a] + [rest[-1]]
+        path_len = verdict.path.shape[1]
+        new = rest[path_len:path_len + a] + [rest[-1]]
         last_slot = 1 + rest[a - 1] if a else 0
         kept_slots = torch.cat([verdict.path.new_zeros(1), verdict.path[0, :a] + 1])  # root + path, on device
         verifier.commit(1 + a, None if tree.is_chain else kept_slots + base)  # a chain's path is already in place
@@ -213,6 +220,7 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
                 break
         out.tokens.extend(kept)
         out.accept_lengths.append(a)
+        out.drafted_depths.append(depth)
         out.emitted_per_round.append(len(kept))
         tokens[state.length:state.length + a + 1] = torch.cat([path_tokens[:a], verdict.bonus])
         state.length += len(new)

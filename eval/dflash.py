@@ -6,7 +6,9 @@ at their positions: nothing is ever cropped, since the block's own keys never en
 ``[root, MASK x (B - 1)]`` at positions ``L .. L + B - 1`` runs once over the cached context (every context slot is
 before the root, and the block is bidirectional: no mask), and slots 1..k give the k drafts (0..k - 1 with
 ``sample_from_anchor``). With DSpark's Markov
-head, slot j's logits get the bias of the token chosen at slot j - 1 (k small steps after the one forward).
+head, slot j's logits get the bias of the token chosen at slot j - 1 (k small steps after the one forward). With
+DSpark's confidence head and ``min_confidence``, each round verifies only the drafts it expects to survive
+(:meth:`DFlashChainDrafter._cut`).
 
 At T > 0 each slot's distribution (temperature / top-k / top-p applied) is that draft's p, scattered back to the
 full vocabulary when the head is ranked; acceptance is the loop's lossless rule.
@@ -67,12 +69,17 @@ class DFlashChainDrafter(Drafter):
     name = "dflash"
     wants_features = True
 
-    def __init__(self, drafter: DFlashDrafter, verifier_model, k: int, vocab: torch.Tensor | None = None):
+    def __init__(self, drafter: DFlashDrafter, verifier_model, k: int, vocab: torch.Tensor | None = None,
+                 min_confidence: float = 0.0):
         config = drafter.config
         if not 1 <= k <= config.drafts:
             raise SpectrainError(f"a block of {config.block_size} drafts 1 to {config.drafts} tokens per round, "
                                  f"not {k}")
+        check_min_confidence(min_confidence, config)
         super().__init__(Tree.chain(k))
+        self.min_confidence = float(min_confidence)
+        # a cut round's verify structure, one per length (moved to the device in start)
+        self._chains = [Tree.chain(n) for n in range(1, k)] if min_confidence else []
         self.drafter, self.k, self.config = drafter, k, config
         self.embed = drafter_embedding(verifier_model)
         lm_head = verifier_model.get_output_embeddings()
@@ -91,6 +98,7 @@ class DFlashChainDrafter(Drafter):
         self._mask_ids = torch.full((config.block_size - 1,), config.mask_token_id, dtype=torch.long, device=device)
         self._slots = torch.arange(config.block_size, device=device)
         self.cache: ContextCache | None = None
+        self.slot_states: torch.Tensor | None = None  # the last round's (k, h) draft-slot states
 
     def start(self, state: DraftState, verifier) -> None:
         c, param = self.config, self.drafter.fc.weight
@@ -98,6 +106,8 @@ class DFlashChainDrafter(Drafter):
         if self.cache is None or self.cache.max_len < size:
             self.cache = ContextCache(c.num_hidden_layers, c.num_kv_heads, size, c.head_dim, param.dtype, param.device)
         self.cache.length = 0
+        if self.min_confidence and self._chains and self._chains[0].depth.device != param.device:
+            self._chains = [chain.to(param.device) for chain in self._chains]
 
     def rewind(self, positions: int) -> None:
         """Forget the last ``positions`` cached context positions (the cost probe re-feeds one)."""
@@ -113,7 +123,9 @@ class DFlashChainDrafter(Drafter):
         return p.new_zeros(p.shape[0], self.vocab_size).index_copy(1, self.draft_ids, p)
 
     def block_logits(self, state: DraftState) -> torch.Tensor:
-        """Extend the context cache with the new features, run the block once: (k, N) fp32 logits of slots 1..k."""
+        """Extend the context cache with the new features, run the block once: (k, N) fp32 logits of the k draft
+        slots (1..k; 0..k - 1 with ``sample_from_anchor``; Markov bias not included). Their (k, h) states after the
+        final norm stay in ``slot_states`` for the confidence cut."""
         drafter, cache = self.drafter, self.cache
         new = state.new_features  # (m, len(target_layer_ids) * h): the positions right before the root
         start = state.length - 1 - new.shape[0]
@@ -125,13 +137,34 @@ class DFlashChainDrafter(Drafter):
         root = state.length - 1
         block = torch.cat([state.tokens[root:root + 1], self._mask_ids])
         hidden = drafter.block_hidden(self.embed(block)[None], (root + self._slots)[None], cache.view(), None)[0]
-        weight, bias = self._head
         first = self.config.first_draft_slot
-        return torch.nn.functional.linear(hidden[first:first + self.k].to(weight.dtype), weight, bias).float()
+        self.slot_states = hidden[first:first + self.k]
+        weight, bias = self._head
+        return torch.nn.functional.linear(self.slot_states.to(weight.dtype), weight, bias).float()
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Proposal:
-        logits = self.block_logits(state)
+        proposal = self._draft(self.block_logits(state), state)
+        return self._cut(proposal, self.slot_states, state) if self.min_confidence else proposal
+
+    def _cut(self, proposal: Proposal, states: torch.Tensor, state: DraftState) -> Proposal:
+        """Verify only the drafts the confidence head expects to survive: the longest prefix whose predicted
+        probability of being accepted whole, prod_{i <= n} sigmoid(c_i), is >= ``min_confidence`` (at least one
+        draft). Slot j's confidence reads its state and the token before it (the root, then the drafts), as in
+        training. Lossless at any temperature: whether draft n is verified depends on the context and the drafts
+        before it, never on draft n itself (a stopping rule), and each verified draft is accepted by the same
+        rule against its own p. The round's one extra host read: the verify pass's length."""
+        tokens = proposal.tokens
+        prev = torch.cat([state.tokens[state.length - 1:state.length], tokens[:-1]])
+        survive = torch.sigmoid(self.drafter.confidence(states, prev).float()).cumprod(0)
+        n = max(1, int((survive >= self.min_confidence).sum()))  # a prefix: the product never grows
+        if n == self.k:
+            return proposal
+        probs = None if proposal.probs is None else proposal.probs[:n]
+        return Proposal(tokens=tokens[:n], probs=probs, tree=self._chains[n - 1])
+
+    def _draft(self, logits: torch.Tensor, state: DraftState) -> Proposal:
+        """The k drafts (and, at T > 0, their (k, V) distributions) from the slots' (k, N) logits."""
         greedy = state.sampling.greedy
         if self._markov is None:  # every slot at once
             if greedy:
@@ -198,12 +231,26 @@ class DFlashTreeDrafter(DFlashChainDrafter):
                                  vocab=self.draft_ids)
 
 
-def _dflash_drafter(drafter, model, tree, *, dynamic=None, vocab=None) -> Drafter:
+def check_min_confidence(min_confidence: float, config) -> None:
+    """``min_confidence``: 0 (verify every draft) or a probability in (0, 1) for a drafter with a confidence
+    head."""
+    if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)) or not 0 <= min_confidence < 1:
+        raise SpectrainError(f"--min_confidence is a probability in [0, 1) (0: verify every draft), got "
+                             f"{min_confidence!r}")
+    if min_confidence and not config.confidence_head:
+        raise SpectrainError("--min_confidence cuts each round by the drafter's confidence head, and this drafter "
+                             "has none (train with --model.confidence_head true)")
+
+
+def _dflash_drafter(drafter, model, tree, *, dynamic=None, vocab=None, min_confidence=0.0) -> Drafter:
     if dynamic is not None:
+        if min_confidence:
+            raise SpectrainError("--min_confidence cuts chains; a dynamic tree verifies its budget")
         return DFlashTreeDrafter(drafter, model, dynamic, vocab=vocab)
-    return DFlashChainDrafter(drafter, model, tree.size, vocab=vocab)
+    return DFlashChainDrafter(drafter, model, tree.size, vocab=vocab, min_confidence=min_confidence)
 
 
 DFLASH = FamilyEvaluator(build=_dflash_drafter, static_trees=False, dynamic_trees=True,
+                         confidence=lambda drafter: drafter.config.confidence_head,
                          max_depth=lambda drafter: drafter.config.drafts,
                          capture=lambda drafter: drafter.config.capture_ids)

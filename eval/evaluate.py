@@ -34,7 +34,7 @@ from .costs import draft_cost, plan, probe_state, verify_cost
 from .decode import Trace, generate
 from .drafters import (Autoregressive, Drafter, DynamicTreeDrafter, HybridDrafter, MedusaDrafter, ModelDrafter,
                        NgramDrafter, check_min_match, truncated_verifier)
-from .families import evaluator_of, learned_drafter, learned_methods
+from .families import check_confidence, evaluator_of, learned_drafter, learned_methods
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree, expected_accept_length
 
@@ -58,6 +58,7 @@ class Settings:
     tree: str | None = None
     dynamic_tree: tuple[int, int, int] | None = None
     lookup: int = 0
+    min_confidence: float = 0.0
     draft_layers: int = 1
     min_match: int = 2
     min_match_sampled: int = 4
@@ -90,6 +91,15 @@ class Settings:
             raise SpectrainError(f"--lookup must be an integer >= 0 (0: k), got {self.lookup!r}")
         if self.lookup and self.method != "hybrid":
             raise SpectrainError(f"--lookup is the hybrid's lookup length; --method {self.method} has no lookup")
+        if (isinstance(self.min_confidence, bool) or not isinstance(self.min_confidence, (int, float))
+                or not 0 <= self.min_confidence < 1):
+            raise SpectrainError(f"--min_confidence is a probability in [0, 1) (0: verify every draft), got "
+                                 f"{self.min_confidence!r}")
+        if self.min_confidence and self.method not in learned_methods() + ("hybrid",):
+            raise SpectrainError(f"--min_confidence cuts a learned drafter's chain; --method {self.method} has none")
+        if self.min_confidence and (not self.k or self.tree or self.dynamic_tree):
+            raise SpectrainError("--min_confidence cuts chains: give --k > 0 and no --tree / --dynamic_tree (evaluate "
+                                 "trees in a run of their own)")
         if self.tree and self.tree.startswith("auto:") and not (self.tree[5:].isdigit() and int(self.tree[5:]) > 0):
             raise SpectrainError(f"--tree auto:N takes a node count N >= 1, got {self.tree!r}")
 
@@ -226,7 +236,9 @@ def verify_sizes(s: Settings) -> list[int]:
         sizes.append(Tree.load(s.tree).size + lookup)
     if s.dynamic_tree:
         sizes.append(s.dynamic_tree[2])
-    return [1] + [1 + n for n in sizes]
+    if s.min_confidence:  # a cut chain verifies any length up to k
+        sizes += list(range(1, s.k))
+    return [1] + sorted({1 + n for n in sizes})
 
 
 def dynamic_name(dynamic_tree: tuple[int, int, int]) -> str:
@@ -274,8 +286,10 @@ def build_drafter(s: Settings, tree: Tree, model, learned, draft_model, max_len:
     ``vocab``: its ranked draft vocabulary, (N,) target ids, or None for its own)."""
     if s.method == "hybrid":
         return build_hybrid(s, tree, model, learned, name, vocab)
-    if s.method in learned_methods():  # the family's own drafter (eval/families.py)
-        return learned_drafter(learned, model, tree, s.dynamic_tree if name.startswith("dynamic") else None, vocab)
+    if s.method in learned_methods():  # the family's own drafter (eval/families.py); chains may be cut by confidence
+        if name.startswith("dynamic"):
+            return learned_drafter(learned, model, tree, s.dynamic_tree, vocab)
+        return learned_drafter(learned, model, tree, vocab=vocab, min_confidence=s.min_confidence)
     if name.startswith("dynamic"):
         small = truncated_verifier(model, s.draft_layers) if s.method == "truncated" else draft_model
         return DynamicTreeDrafter(small, *s.dynamic_tree, max_len)
@@ -299,7 +313,8 @@ def build_hybrid(s: Settings, tree: Tree, model, learned, name: str, vocab: torc
             raise SpectrainError(f"--dynamic_tree budget {budget} leaves no room beside the lookup branch of {k}")
         inner = learned_drafter(learned, model, tree, (depth, topk, budget - k), vocab)
         return HybridDrafter(inner, k, merge=True, **options)
-    inner = learned_drafter(learned, model, tree, vocab=vocab)
+    inner = learned_drafter(learned, model, tree, vocab=vocab,
+                            min_confidence=s.min_confidence if tree.is_chain else 0.0)
     if tree.is_chain:  # lookup rounds draft ``lookup`` tokens (default: the chain's k)
         return HybridDrafter(inner, tree.size, merge=False, lookup=s.lookup or None, **options)
     return HybridDrafter(inner, k, merge=True, **options)
@@ -343,7 +358,8 @@ def turn_record(ids: list[int], gen) -> dict:
     """One generated turn as the summaries read it."""
     return {"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "stop": gen.stop,
             "accept_lengths": gen.accept_lengths, "emitted_per_round": gen.emitted_per_round,
-            "prefill_seconds": gen.prefill_seconds, "decode_seconds": gen.decode_seconds,
+            "drafted_depths": gen.drafted_depths, "prefill_seconds": gen.prefill_seconds,
+            "decode_seconds": gen.decode_seconds,
             "round_seconds": gen.round_seconds,
             "tokens": gen.tokens, "sequence": ids + gen.tokens}
 
@@ -352,6 +368,10 @@ def summarize(records: list[dict], depth: int) -> dict:
     """τ (pooled), α by depth, the accept-length histogram and speeds of one setting's records."""
     turns = [t for r in records for t in r["turns"]]
     accept = [a for t in turns for a in t["accept_lengths"]]
+    # Each round's drafted depth (None for records written before rounds recorded it: every round then counts as
+    # reaching every depth, as before). Its mean is a chain's drafts per round (a tree's: its depth bound).
+    drafted = (None if any("drafted_depths" not in t for t in turns) else
+               [d for t in turns for d in t["drafted_depths"]])
     new_tokens = sum(t["new_tokens"] for t in turns)
     decode = sum(t["decode_seconds"] for t in turns)
     total = decode + sum(t["prefill_seconds"] for t in turns)
@@ -365,7 +385,8 @@ def summarize(records: list[dict], depth: int) -> dict:
     return {
         "round_ms": round_ms,
         "tau": metrics.tau([t["emitted_per_round"] for t in turns]),
-        "alpha": metrics.alphas(accept, depth),
+        "alpha": metrics.alphas(accept, depth, drafted),
+        "mean_drafted_depth": None if drafted is None else sum(drafted) / max(len(drafted), 1),
         "accept_histogram": metrics.histogram(accept, depth),
         "verifier_forwards": len(accept),
         "new_tokens": new_tokens,
@@ -505,7 +526,8 @@ def hf_generate_speed(model, tokenizer, prompts: list[list[str]], use_template: 
 
 def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: str = "medusa", drafter=None,
                      draft_model: torch.nn.Module | None = None, k: int = 4, tree: str | None = None,
-                     dynamic_tree: tuple[int, int, int] | None = None, lookup: int = 0, draft_layers: int = 1,
+                     dynamic_tree: tuple[int, int, int] | None = None, lookup: int = 0, min_confidence: float = 0.0,
+                     draft_layers: int = 1,
                      min_match: int = 2, min_match_sampled: int = 4, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, chat_template: bool | None = None,
                      compile: bool = False, hf_generate: int = 3, costs: bool = True,
@@ -528,6 +550,9 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         dynamic_tree: ``(depth, topk, budget)`` of an EAGLE-2 dynamic tree (eagle, draft-model, truncated, hybrid).
         lookup: the tokens a hybrid's lookup round drafts: a chain's lookup rounds (default ``k``) and a tree's
             lookup branch (default ``k``, else the tree's depth).
+        min_confidence: a chain (alone or a hybrid's learned rounds) verifies only the drafts its confidence head
+            expects to survive, the longest prefix with predicted whole-prefix acceptance >= this (DSpark drafters
+            with a confidence head; 0: every draft).
         min_match, min_match_sampled: a hybrid's lookup threshold at T = 0 and at T > 0.
         temperature, top_p, top_k: decoding (T = 0: greedy, where every output must equal AR's).
         chat_template: render turns with the tokenizer's chat template (None: when it has one).
@@ -552,7 +577,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
     if method == "none":  # AR only: no chain, no costs to probe, nothing to plan
         k, costs = 0, False
     s = Settings(method=method, k=k, tree=tree, dynamic_tree=tuple(dynamic_tree) if dynamic_tree else None,
-                 lookup=lookup, draft_layers=draft_layers, min_match=min_match, min_match_sampled=min_match_sampled,
+                 lookup=lookup, min_confidence=min_confidence, draft_layers=draft_layers, min_match=min_match,
+                 min_match_sampled=min_match_sampled,
                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, compile=compile,
                  seed=seed)
     s.check()
@@ -565,6 +591,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         raise SpectrainError("prompts must be a non-empty list of prompts, each a non-empty list of user turns (str)")
     if method in learned_methods() and family_of(drafter).name != method:  # an unregistered drafter: refused
         raise SpectrainError(f"method {method} got a {type(drafter).__name__}: use method {family_of(drafter).name}")
+    if s.min_confidence:  # before anything is decoded
+        check_confidence(drafter)
     if reference is not None and [len(r["turns"]) for r in reference] != [len(p) for p in prompts]:
         raise SpectrainError("reference holds AR records of other prompts (turn counts differ)")
     model, tokenizer = verifier.model, verifier.tokenizer
@@ -628,6 +656,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
                        speedup=results["ar"]["decode_ms_per_token"] / max(summary["decode_ms_per_token"], 1e-9),
                        identical_turns=same,
                        identical_to_ar=sampling.greedy and same == sum(len(r["turns"]) for r in records))
+        if s.min_confidence:  # chains only (checked): a cut chain's rounds verify fewer than k drafts
+            summary["min_confidence"] = s.min_confidence
         if isinstance(spec, HybridDrafter):
             summary["lookup_round_fraction"] = round(spec.lookup_rounds / max(spec.rounds, 1), 4)
         if sampling.greedy:
@@ -635,7 +665,8 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         if calibration is not None and not shape_tree.is_chain:
             summary["expected_accept_length"] = expected_accept_length(shape_tree.paths, calibration["rank_accuracy"])
         summary.update(in_loop_costs(summary, results["ar"]))
-        if costs:  # isolated probes at one context length: what the planner prices settings not run with
+        if costs and not s.min_confidence:  # isolated probes at one context length: what the planner prices
+            # settings not run with (not for a cut chain: its verify width changes every round)
             # A hybrid chain's own rounds verify k + 1 (its lookup rounds bring their own length); a merged or
             # dynamic tree verifies its whole budget.
             own_chain = isinstance(spec, HybridDrafter) and not spec.merge
@@ -649,7 +680,7 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]], *, method: st
         results[name] = summary
         per_prompt[name] = records
     planner = None
-    if costs:
+    if costs and not s.min_confidence:  # a cut chain's α counts only the rounds its head extended: not a chain's
         planner = plan_speedups(s, results, trees, runner, model, drafter, draft_model, max_len, calibration, state,
                                 t_decode, t_verify, t_draft, len(probe_prompt), vocab)
     hf = hf_generate_speed(model, tokenizer, prompts, use_template, s, hf_generate)

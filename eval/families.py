@@ -37,6 +37,8 @@ class FamilyEvaluator:
         max_depth: ``learned`` -> the deepest tree or chain it drafts (Medusa: its head count), None = unbounded.
         capture: ``learned`` -> the HF ``hidden_states`` ids its decoding drafter reads besides the last hidden
             state (EAGLE-3's fused layers, a block drafter's target layers; the verifier keeps them every forward).
+        confidence: ``learned`` -> whether its chains can verify fewer drafts per round by a confidence head
+            (DSpark's; ``build`` then takes ``min_confidence``).
     """
 
     build: Callable[..., Drafter]
@@ -45,6 +47,7 @@ class FamilyEvaluator:
     rank_trees: bool = False
     max_depth: Callable[[Any], int | None] = _unbounded
     capture: Callable[[Any], tuple[int, ...]] = lambda learned: ()
+    confidence: Callable[[Any], bool] = lambda learned: False
 
 
 def evaluator_of(family: DrafterFamily) -> FamilyEvaluator:
@@ -60,13 +63,27 @@ def learned_methods() -> tuple[str, ...]:
     return tuple(f.name for f in families())
 
 
-def learned_drafter(learned, model, tree, dynamic: tuple[int, int, int] | None = None, vocab=None) -> Drafter:
-    """The decoding drafter over a learned module of any registered family (:attr:`FamilyEvaluator.build`)."""
+def learned_drafter(learned, model, tree, dynamic: tuple[int, int, int] | None = None, vocab=None,
+                    min_confidence: float = 0.0) -> Drafter:
+    """The decoding drafter over a learned module of any registered family (:attr:`FamilyEvaluator.build`);
+    ``min_confidence`` > 0 cuts each round's chain by the drafter's confidence head (families that have one)."""
     family = family_of(learned)
     evaluator = evaluator_of(family)
     if dynamic is not None and not evaluator.dynamic_trees:
         raise SpectrainError(f"{family.label} drafters grow no dynamic trees")
-    return evaluator.build(learned, model, tree, dynamic=dynamic, vocab=vocab)
+    if not min_confidence:
+        return evaluator.build(learned, model, tree, dynamic=dynamic, vocab=vocab)
+    check_confidence(learned)
+    return evaluator.build(learned, model, tree, dynamic=dynamic, vocab=vocab, min_confidence=min_confidence)
+
+
+def check_confidence(learned) -> None:
+    """Refuse ``min_confidence`` for a learned drafter without a confidence head (checked before anything runs)."""
+    family = family_of(learned)
+    if not evaluator_of(family).confidence(learned):
+        raise SpectrainError(f"--min_confidence cuts each round by the drafter's confidence head (DSpark's: train a "
+                             f"dflash drafter with --model.confidence_head true); this {family.label} drafter has "
+                             "none")
 
 
 # -- the bundled families ---------------------------------------------------------------------------------------

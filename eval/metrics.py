@@ -2,7 +2,9 @@
 
 tau   = total tokens emitted by verify rounds / total verify rounds (prefill excluded,
         counting the bonus token, stopping at EOS or the token limit);
-alpha_k = P(draft at depth k accepted | depths < k accepted) = #(a >= k) / #(a >= k-1).
+alpha_k = P(draft at depth k accepted | depths < k accepted) = #(a >= k) / #(a >= k-1 and depth k drafted):
+        a round that drafted fewer than k (a hybrid's shorter lookup round, a chain cut by its confidence head)
+        says nothing about depth k.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ def tau(emitted_per_round: list[list[int]]) -> float:
     return sum(sum(r) for r in emitted_per_round) / max(rounds, 1)
 
 
-def alphas(accept_lengths: list[int], depth: int) -> list[float | None]:
-    """alpha_1..alpha_depth from per-round accept lengths (None where no round reached depth k-1)."""
+def alphas(accept_lengths: list[int], depth: int, drafted: list[int] | None = None) -> list[float | None]:
+    """alpha_1..alpha_depth from per-round accept lengths and, per round, the depth it drafted (None: every round
+    drafted every depth); None where no round reached depth k - 1 with a draft at depth k."""
+    if drafted is not None and len(drafted) != len(accept_lengths):
+        raise ValueError(f"{len(accept_lengths)} accept lengths but {len(drafted)} drafted depths")
+    drafted = drafted if drafted is not None else [depth] * len(accept_lengths)
     out = []
     for k in range(1, depth + 1):
-        reached = sum(a >= k - 1 for a in accept_lengths)
+        reached = sum(a >= k - 1 and d >= k for a, d in zip(accept_lengths, drafted))
         out.append(sum(a >= k for a in accept_lengths) / reached if reached else None)
     return out
 

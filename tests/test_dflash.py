@@ -55,9 +55,9 @@ class OracleTree(DFlashTreeDrafter):
     block_logits = _oracle_logits
 
 
-def oracle(model, k: int, vocab=None, dynamic=None, **kw):
+def oracle(model, k: int, vocab=None, dynamic=None, min_confidence=0.0, **kw):
     drafter = (OracleTree(drafter_for(model, **kw), model, dynamic, vocab=vocab) if dynamic else
-               OracleBlock(drafter_for(model, **kw), model, k, vocab=vocab))
+               OracleBlock(drafter_for(model, **kw), model, k, vocab=vocab, min_confidence=min_confidence))
     drafter._verifier_head = model.get_output_embeddings().weight
     return drafter
 
@@ -184,6 +184,118 @@ def test_sampled_block_drafts_follow_the_verifier_distribution(soft, kw, dynamic
     drafter = oracle(soft, 2, _soft_vocab(soft), dynamic=dynamic, **kw)
     drafter.noise = 0.5
     assert min(p_values(soft, drafter)) > 1e-3  # two tests per case; the negative control below gives < 1e-6
+
+
+def _confident(drafter, scale: float = 8.0, bias: float = 0.0, markov: float = 1.0):
+    """A confidence head whose predictions spread widely over the rounds (a random one sits near 0.5); ``markov``
+    scales the columns reading the previous token's Markov row (0.02-sized), so the cut reads the earlier drafts."""
+    with torch.no_grad():
+        proj = drafter.drafter.confidence_head.proj
+        proj.weight.mul_(scale / proj.weight.norm())
+        proj.weight[:, drafter.config.hidden_size:] *= markov
+        proj.bias.fill_(bias)
+    return drafter
+
+
+@pytest.mark.parametrize("kw,bias", [({"confidence_head": True}, 0.0),
+                                     ({"confidence_head": True, "markov_rank": 6}, 1.0)],
+                         ids=["confidence", "confidence+markov"])
+def test_a_confidence_cut_verifies_the_predicted_prefix_losslessly(bigram, kw, bias):
+    """Each round verifies exactly the longest prefix whose predicted whole-prefix acceptance (the product of the
+    slots' sigmoid confidences, each read from its state and the token before it) is >= P, at least one draft;
+    the output stays AR's; α counts only the depths a round drafted; P -> 0 verifies every draft."""
+    model, _ = bigram
+    runner = StaticCausalLM(model, max_len=96)
+    ar = generate(runner, Autoregressive(), PROMPT, 40).tokens
+    full = oracle(model, 4, **kw)
+    full.noise = 25.0
+    uncut = generate(runner, full, PROMPT, 40)
+    cut = _confident(oracle(model, 4, min_confidence=0.3, **kw), bias=bias)
+    cut.noise = 25.0
+    seen = []
+    real_cut = DFlashChainDrafter._cut
+
+    def recording(self, proposal, states, state):
+        prev = torch.cat([state.tokens[state.length - 1:state.length], proposal.tokens[:-1]])
+        conf = torch.sigmoid(self.drafter.confidence(states, prev).float())
+        expected = 1
+        while expected < self.k and conf[:expected + 1].prod() >= 0.3:
+            expected += 1
+        out = real_cut(self, proposal, states, state)
+        seen.append((expected, out.tokens.numel(), out.tokens.tolist() == proposal.tokens[:expected].tolist()))
+        return out
+
+    cut._cut = recording.__get__(cut)
+    out = generate(runner, cut, PROMPT, 40)
+    assert out.tokens == ar == uncut.tokens
+    assert [n for _, n, _ in seen] == [e for e, _, _ in seen] == out.drafted_depths  # the rule, and verified so
+    assert all(same for *_, same in seen)  # the verified drafts are the chain's first n
+    assert len(set(out.drafted_depths)) >= 2 and min(out.drafted_depths) < 4  # cut in some rounds, not all alike
+    assert all(a <= d for a, d in zip(out.accept_lengths, out.drafted_depths))
+    everything = _confident(oracle(model, 4, min_confidence=1e-12, **kw), bias=bias)  # P -> 0: the whole chain
+    everything.noise = 25.0
+    again = generate(runner, everything, PROMPT, 40)
+    assert again.accept_lengths == uncut.accept_lengths and set(again.drafted_depths) == {4}
+    hybrid = HybridDrafter(_confident(oracle(model, 4, min_confidence=0.3, **kw), bias=bias), 4, merge=False)
+    repeating = PROMPT + ar[:12] + PROMPT  # lookup rounds (4 deep) and cut learned rounds in one decode
+    hybrid.learned.noise = 25.0
+    mixed = generate(runner, hybrid, repeating, 40)
+    assert mixed.tokens == generate(runner, Autoregressive(), repeating, 40).tokens
+    assert 0 < hybrid.lookup_rounds < hybrid.rounds and min(mixed.drafted_depths) < 4
+
+
+@pytest.mark.parametrize("kw,shape", [({}, {"bias": 4.0}), ({"markov_rank": 6}, {"bias": 4.0, "markov": 300.0})],
+                         ids=["confidence", "confidence+markov"])
+def test_a_confidence_cut_samples_the_verifier_distribution(soft, kw, shape):
+    """At T = 1 with rounds cut to one draft or verifying both — with a Markov head the cut reads the first draft
+    (its Markov row): a stopping rule over the earlier drafts — the round's tokens still follow q."""
+    drafter = _confident(oracle(soft, 2, _soft_vocab(soft), min_confidence=0.5, confidence_head=True, **kw), **shape)
+    drafter.noise = 0.5
+    depths = []
+    real = DFlashChainDrafter._cut
+
+    def recording(self, *args):
+        out = real(self, *args)
+        depths.append(out.tokens.numel())
+        return out
+
+    drafter._cut = recording.__get__(drafter)
+    p = p_values(soft, drafter)
+    assert len(p) == 2 and min(p) > 1e-3  # the round's first and second tokens, chi-square each
+    assert {1, 2} <= set(depths)  # rounds cut to one draft and rounds verifying both
+
+
+def test_min_confidence_refusals(bigram, tiny_tokenizer, monkeypatch):
+    from spectrain.eval import evaluate as evaluate_module
+    from spectrain.eval.evaluate import Settings, evaluate_drafter
+    from spectrain.eval.families import learned_drafter
+    from spectrain.eval.tree import Tree
+    from spectrain.heads.verifier import Verifier
+    from tests.eval_helpers import oracle_eagle1
+
+    model, _ = bigram
+    with pytest.raises(SpectrainError, match="confidence head"):  # a drafter without one
+        DFlashChainDrafter(drafter_for(model), model, 3, min_confidence=0.5)
+    with pytest.raises(SpectrainError, match="cuts chains"):
+        learned_drafter(drafter_for(model, confidence_head=True), model, Tree.chain(3), (3, 2, 4), min_confidence=0.5)
+    with pytest.raises(SpectrainError, match="has none"):
+        learned_drafter(oracle_eagle1(model, 0.0), model, Tree.chain(3), min_confidence=0.5)
+    for bad in (1.0, -0.1, "0.5", True):
+        with pytest.raises(SpectrainError, match="probability"):
+            Settings(method="dflash", k=3, min_confidence=bad).check()
+        with pytest.raises(SpectrainError, match="probability"):
+            DFlashChainDrafter(drafter_for(model, confidence_head=True), model, 3, min_confidence=bad)
+    for settings in (dict(k=0), dict(k=3, dynamic_tree=(3, 2, 4))):  # chains only
+        with pytest.raises(SpectrainError, match="cuts chains"):
+            Settings(method="dflash", min_confidence=0.5, **settings).check()
+    for method in ("ngram", "none", "truncated"):
+        with pytest.raises(SpectrainError, match=f"--method {method} has none"):
+            Settings(method=method, k=3, min_confidence=0.5).check()
+    # A drafter without a head is refused before anything is decoded (AR included).
+    monkeypatch.setattr(evaluate_module, "run_prompts", lambda *a, **k: pytest.fail("decoded before refusing"))
+    with pytest.raises(SpectrainError, match="has none"):
+        evaluate_drafter(Verifier(model, tiny_tokenizer, "bigram"), [["a b"]], method="dflash",
+                         drafter=drafter_for(model), k=3, min_confidence=0.5, chat_template=False)
 
 
 def test_p_scattered_into_the_wrong_columns_is_detected(soft, monkeypatch):

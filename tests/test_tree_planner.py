@@ -51,6 +51,14 @@ def test_metrics_pooled_definitions():
     assert histogram(accept, 4) == [1, 1, 1, 0, 1]
     # alpha_1 = #(a>=1)/#(a>=0) = 3/4, alpha_2 = #(a>=2)/#(a>=1) = 2/3, alpha_3 = 1/2, alpha_4 = 1/1
     assert alphas(accept, 4) == pytest.approx([3 / 4, 2 / 3, 1 / 2, 1.0])
+    # Rounds that drafted 2, 1, 4, 2 deep: round 1 accepted both of its 2 drafts, so it says nothing of depth 3:
+    # alpha_2 = #(a>=2) / #(a>=1, drafted>=2) = 2/3 (rounds 1, 3, 4), alpha_3 = #(a>=3) / #(a>=2, drafted>=3) = 1/1
+    # (round 3 only; without depths 1/2), alpha_4 = 1/1.
+    assert alphas(accept, 4, [2, 1, 4, 2]) == pytest.approx([3 / 4, 2 / 3, 1.0, 1.0])
+    assert alphas([1, 1, 2], 2, [1, 2, 2]) == pytest.approx([1.0, 1 / 2])  # without depths: 1/3
+    assert alphas([1, 1, 2], 2) == pytest.approx([1.0, 1 / 3])
+    with pytest.raises(ValueError):
+        alphas([1, 2], 2, [2])
     assert distinct_ngram_ratio([[1, 2, 1, 2, 1, 2, 1, 2]], 4) == pytest.approx(2 / 5)
 
 
