@@ -25,7 +25,7 @@ from spectrain.heads.verifier import drafter_embedding
 
 from .accept import sample, target_probs
 from .drafters import DraftState, Drafter, Proposal, check_draft_vocab, grow_dynamic_tree
-from .families import FamilyEvaluator
+from .families import FamilyEvaluator, check_min_confidence_value
 from .tree import Tree
 
 
@@ -234,9 +234,7 @@ class DFlashTreeDrafter(DFlashChainDrafter):
 def check_min_confidence(min_confidence: float, config) -> None:
     """``min_confidence``: 0 (verify every draft) or a probability in (0, 1) for a drafter with a confidence
     head."""
-    if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)) or not 0 <= min_confidence < 1:
-        raise SpectrainError(f"--min_confidence is a probability in [0, 1) (0: verify every draft), got "
-                             f"{min_confidence!r}")
+    check_min_confidence_value(min_confidence)
     if min_confidence and not config.confidence_head:
         raise SpectrainError("--min_confidence cuts each round by the drafter's confidence head, and this drafter "
                              "has none (train with --model.confidence_head true)")

@@ -34,7 +34,8 @@ from .costs import draft_cost, plan, probe_state, verify_cost
 from .decode import Trace, generate
 from .drafters import (Autoregressive, Drafter, DynamicTreeDrafter, HybridDrafter, MedusaDrafter, ModelDrafter,
                        NgramDrafter, check_min_match, truncated_verifier)
-from .families import check_confidence, evaluator_of, learned_drafter, learned_methods
+from .families import (check_confidence, check_min_confidence_value, evaluator_of, learned_drafter,
+                       learned_methods)
 from .static_model import StaticCausalLM
 from .tree import Tree, build_tree, expected_accept_length
 
@@ -91,10 +92,7 @@ class Settings:
             raise SpectrainError(f"--lookup must be an integer >= 0 (0: k), got {self.lookup!r}")
         if self.lookup and self.method != "hybrid":
             raise SpectrainError(f"--lookup is the hybrid's lookup length; --method {self.method} has no lookup")
-        if (isinstance(self.min_confidence, bool) or not isinstance(self.min_confidence, (int, float))
-                or not 0 <= self.min_confidence < 1):
-            raise SpectrainError(f"--min_confidence is a probability in [0, 1) (0: verify every draft), got "
-                                 f"{self.min_confidence!r}")
+        check_min_confidence_value(self.min_confidence)
         if self.min_confidence and self.method not in learned_methods() + ("hybrid",):
             raise SpectrainError(f"--min_confidence cuts a learned drafter's chain; --method {self.method} has none")
         if self.min_confidence and (not self.k or self.tree or self.dynamic_tree):

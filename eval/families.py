@@ -71,10 +71,18 @@ def learned_drafter(learned, model, tree, dynamic: tuple[int, int, int] | None =
     evaluator = evaluator_of(family)
     if dynamic is not None and not evaluator.dynamic_trees:
         raise SpectrainError(f"{family.label} drafters grow no dynamic trees")
-    if not min_confidence:
-        return evaluator.build(learned, model, tree, dynamic=dynamic, vocab=vocab)
-    check_confidence(learned)
-    return evaluator.build(learned, model, tree, dynamic=dynamic, vocab=vocab, min_confidence=min_confidence)
+    options = {}
+    if min_confidence:  # only families with a confidence head take it
+        check_confidence(learned)
+        options["min_confidence"] = min_confidence
+    return evaluator.build(learned, model, tree, dynamic=dynamic, vocab=vocab, **options)
+
+
+def check_min_confidence_value(min_confidence) -> None:
+    """``min_confidence`` is 0 (verify every draft) or a probability in (0, 1)."""
+    if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)) or not 0 <= min_confidence < 1:
+        raise SpectrainError(f"--min_confidence is a probability in [0, 1) (0: verify every draft), got "
+                             f"{min_confidence!r}")
 
 
 def check_confidence(learned) -> None:
