@@ -2,8 +2,9 @@
 vocabularies of several sizes, every speedup over AR decoded in the same run (benchmark, not a test).
 
 AR decoded before each drafter call (``--ar_each``, the default; its records are that call's reference: speedup
-and the lossless check — ``--ar_each false``: one AR pass first for every call), then per drafter and draft vocabulary one :func:`evaluate_drafter` call (a chain of k — ``--k_of NAME=K`` for another
-length per drafter — and a tree: Medusa's best N-node tree, the dynamic tree of the families that grow one (EAGLE,
+and the lossless check — ``--ar_each false``: one AR pass first for every call), then per drafter and draft
+vocabulary one :func:`evaluate_drafter` call (a chain of k — ``--k_of NAME=K[,K...]`` for another length per
+drafter, or several — and a tree: Medusa's best N-node tree, the dynamic tree of the families that grow one (EAGLE,
 DFlash: its depth must fit the block)), plus the hybrid (prompt lookup + the drafter) where asked; AR is decoded once
 more at the end so the drift of the machine over the run is on record. ``--interleave`` goes prompt by prompt
 instead: AR on a prompt, then every drafter setting on it, each setting's turns pooled and its speedup taken
@@ -31,7 +32,7 @@ import time
 
 import torch
 
-from spectrain.eval.cli import dynamic_tree
+from spectrain.eval.cli import dynamic_tree, named_values
 from spectrain.eval.evaluate import evaluate_drafter, in_loop_costs, load_drafter, summarize
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
@@ -56,8 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lookups", default="0", metavar="L[,L...]",
                    help="the hybrid's lookup-round lengths to try (0 = --k): each is a row of its own")
     p.add_argument("--k", type=int, default=5)
-    p.add_argument("--k_of", action="append", default=[], metavar="NAME=K",
-                   help="another chain length for drafter NAME (a block drafter's whole block, say)")
+    p.add_argument("--k_of", action="append", default=[], metavar="NAME=K[,K...]",
+                   help="other chain lengths for drafter NAME (a block drafter's whole block, say): the first is "
+                        "its main length (its tree, hybrid and --min_confidence rows use it), each further one "
+                        "adds a chain row of its own")
     p.add_argument("--min_confidence", action="append", default=[], metavar="NAME=P[,P...]",
                    help="also NAME's chain cut per round by its confidence head at each P (rows 'NAME-confP')")
     p.add_argument("--dynamic_tree", default="6,8,64", help="EAGLE's tree")
@@ -98,7 +101,7 @@ def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, d
     the machine's speed — ±15 % within minutes on shared cores — reaches AR and every drafter alike. Each setting's
     turns are pooled over the prompts (:func:`summarize`, as one call would) and its speedup taken against the
     pooled AR. Returns (rows, calls, the pooled AR summary)."""
-    ar_records, pooled = [], {}  # pooled[(label, setting)] = {"records", "depth", "identical", "turns", ...}
+    ar_records, pooled = [], {}  # pooled[(label, draft vocab, setting)] = {"records", "depth", "identical", ...}
     for i, prompt in enumerate(prompts):
         ar = evaluate_drafter(verifier, [prompt], method="none", costs=False, **common).per_prompt["ar"]
         ar_records += ar
@@ -107,9 +110,9 @@ def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, d
             for setting, r in result.results.items():
                 if setting == "ar":
                     continue
-                entry = pooled.setdefault((label, setting), {"records": [], "depth": len(r["alpha"]), "identical": 0,
-                                                             "turns": 0, "draft_vocab": result.draft_vocab,
-                                                             "lookup_rounds": 0.0, "divergences": []})
+                entry = pooled.setdefault((label, result.draft_vocab, setting), {
+                    "records": [], "depth": len(r["alpha"]), "identical": 0, "turns": 0,
+                    "draft_vocab": result.draft_vocab, "lookup_rounds": 0.0, "divergences": []})
                 entry["records"] += result.per_prompt[setting]
                 entry["lookup_rounds"] += r.get("lookup_round_fraction", 0.0) * r["verifier_forwards"]
                 entry["identical"] += r["identical_turns"]
@@ -118,7 +121,7 @@ def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, d
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     ar_summary = summarize(ar_records, 0)
     rows, calls = [], []
-    for (label, setting), entry in pooled.items():
+    for (label, _, setting), entry in pooled.items():
         r = summarize(entry["records"], entry["depth"])
         r["speedup"] = ar_summary["decode_ms_per_token"] / max(r["decode_ms_per_token"], 1e-9)
         r.update(in_loop_costs(r, ar_summary))
@@ -149,14 +152,19 @@ def confidence_levels(spec: str) -> list[float]:
     return out
 
 
-def pairs(specs: list[str], what: str) -> dict[str, str]:
-    out = {}
-    for spec in specs:
-        name, sep, value = spec.partition("=")
-        if not sep or not name or not value:
-            raise SpectrainError(f"{what} takes NAME=VALUE, got {spec!r}")
-        out[name] = value
-    return out
+def chain_lengths(spec: str) -> list[int]:
+    """``--k_of NAME=K[,K...]``: distinct chain lengths >= 1, the main one first."""
+    lengths = sizes(spec, "--k_of")
+    if min(lengths) < 1 or len(set(lengths)) != len(lengths):
+        raise SpectrainError(f"--k_of takes distinct chain lengths >= 1, got {spec!r}")
+    return lengths
+
+
+def check_chain_lengths(name: str, drafter, evaluator, lengths: list[int]) -> None:
+    """Refuse a chain the drafter cannot draft (Medusa's heads, a block's slots) before anything is decoded."""
+    deepest = evaluator.max_depth(drafter)
+    if deepest is not None and max(lengths) > deepest:
+        raise SpectrainError(f"drafter {name!r} drafts at most {deepest} tokens a round, not {max(lengths)}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,38 +174,43 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, command: str):
     vocabs = sizes(args.draft_vocabs, "--draft_vocabs")
-    paths = pairs(args.drafter, "--drafter")
-    hybrids = {name: sizes(v, "--hybrid") for name, v in pairs(args.hybrid, "--hybrid").items()}
-    confidences = {name: confidence_levels(v) for name, v in pairs(args.min_confidence, "--min_confidence").items()}
+    paths = named_values(args.drafter, "--drafter")
+    hybrids = {name: sizes(v, "--hybrid") for name, v in named_values(args.hybrid, "--hybrid").items()}
+    confidences = {name: confidence_levels(v)
+                   for name, v in named_values(args.min_confidence, "--min_confidence").items()}
     lookups = sizes(args.lookups, "--lookups")
-    for flag, names in (("--hybrid", hybrids), ("--min_confidence", confidences)):
+    chains = {name: chain_lengths(v) for name, v in named_values(args.k_of, "--k_of").items()}
+    for flag, names in (("--hybrid", hybrids), ("--min_confidence", confidences), ("--k_of", chains)):
         if set(names) - set(paths):
             raise SpectrainError(f"{flag} names {sorted(set(names) - set(paths))}, not a --drafter")
     verifier = load_verifier(args.verifier, dtype=torch.bfloat16)
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, first_turns=True, spread=True)
     common = dict(max_new_tokens=args.max_new_tokens, hf_generate=0)
     warm = evaluate_drafter(verifier, prompts[:2], method="none", max_new_tokens=16, hf_generate=0)  # untimed
-    chains = {name: int(k) for name, k in pairs(args.k_of, "--k_of").items()}
     jobs = []  # (label, drafter path, evaluate_drafter keywords)
     for name, path in paths.items():
         drafter = load_drafter(path, verifier)
         method = family_of(drafter).name
         evaluator = evaluator_of(family_of(drafter))
+        lengths = chains.get(name, [args.k])
+        check_chain_lengths(name, drafter, evaluator, lengths)  # before anything is decoded
         tree = (dict(tree=args.medusa_tree) if evaluator.rank_trees else
                 dict(dynamic_tree=dynamic_tree(args.dynamic_tree)) if evaluator.dynamic_trees else {})  # else chains
         eagle3 = getattr(drafter, "is_eagle3", False)  # drafts over its own draft vocabulary: no --draft_vocabs
         own, hybrid_vocabs = (([None], [None] if hybrids.get(name) else []) if eagle3 else
                               (vocabs, hybrids.get(name, [])))
+        k = lengths[0]
         for how, n, lookup in [(method, n, 0) for n in own] + [("hybrid", n, lookup) for n in hybrid_vocabs
                                                                 for lookup in lookups]:
             label = name if how != "hybrid" else f"hybrid-{name}" + (f"-lookup{lookup}" if lookup else "")
-            jobs.append((label, path, dict(method=how, drafter=drafter, k=chains.get(name, args.k), draft_vocab=n,
-                                           lookup=lookup, **tree)))
+            jobs.append((label, path, dict(method=how, drafter=drafter, k=k, draft_vocab=n, lookup=lookup, **tree)))
+        for other in lengths[1:]:  # further chain lengths: the drafter alone, chains only, at each vocabulary
+            jobs += [(name, path, dict(method=method, drafter=drafter, k=other, draft_vocab=n)) for n in own]
         if confidences.get(name):
             check_confidence(drafter)  # before any job runs
         for level in confidences.get(name, []):  # the chain alone, at its default draft head
-            jobs.append((f"{name}-conf{level:g}", path, dict(method=method, drafter=drafter,
-                                                             k=chains.get(name, args.k), min_confidence=level)))
+            jobs.append((f"{name}-conf{level:g}", path, dict(method=method, drafter=drafter, k=k,
+                                                             min_confidence=level)))
     if args.interleave:  # AR of every prompt decoded beside its drafters (pooled); no separate AR passes
         rows, calls, ar_summary = interleaved(verifier, prompts, jobs, common)
         ar_end = None

@@ -62,7 +62,8 @@ def main_(args) -> Path:
                "trained_tokens": p["trained_tokens"], "train_seconds": p.get("train_seconds"),
                "tau_pred": p.get("tau_pred"),
                "tau_measured": p.get("tau_measured"), "alpha1_measured": p.get("alpha1_measured"),
-               "step1_top1": p.get("step1_top1_ver", p.get("head1_top1_ver")),
+               "step1_top1": next((p[metric] for metric in ("step1_top1_ver", "head1_top1_ver", "slot1_top1_ver")
+                                   if metric in p), None),
                "tokens_per_second": s.get("train_tokens_per_second"), "curve": s["curve"]}
         rows.append(row)
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731

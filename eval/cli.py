@@ -115,6 +115,19 @@ def dynamic_tree(spec: str | None) -> tuple[int, int, int] | None:
     return depth, topk, budget
 
 
+def named_values(specs: list[str], flag: str) -> dict[str, str]:
+    """``["NAME=VALUE", ...]`` (a repeated flag) -> {NAME: VALUE}; a malformed spec or a NAME given twice is refused."""
+    out = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not sep or not name or not value:
+            raise SpectrainError(f"{flag} takes NAME=VALUE, got {spec!r}")
+        if name in out:
+            raise SpectrainError(f"{flag} names {name!r} twice")
+        out[name] = value
+    return out
+
+
 def draft_options(args) -> dict:
     """The flags that say how to draft and decode, as :func:`evaluate_drafter` keywords."""
     return dict(method=args.method, k=args.k, tree=args.tree, dynamic_tree=dynamic_tree(args.dynamic_tree),

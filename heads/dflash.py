@@ -24,7 +24,7 @@ The family registers itself at the end of this module (``--method dflash``; meth
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -341,6 +341,31 @@ def check_verifier(config: DFlashConfig, verifier_model, where: str) -> None:
     if layers != config.verifier_layers:
         raise SpectrainError(f"drafter {where} reads layers {config.target_layer_ids} of a {config.verifier_layers}-"
                              f"layer verifier, but this verifier has {layers}: it belongs to another verifier")
+
+
+def without_confidence_head(drafter: DFlashDrafter) -> DFlashDrafter:
+    """The DFlash body of a DSpark drafter whose only DSpark part is its confidence head: the same weights less that
+    head, drafting exactly the same tokens (the head predicts acceptance and never changes a draft), for engines that
+    serve DFlash but not DSpark (vLLM 0.32's CPU runner). A Markov head shapes the drafts, so it is refused."""
+    if not isinstance(drafter, DFlashDrafter):
+        raise SpectrainError(f"only a block drafter (DFlash / DSpark) has a confidence head to drop, not a "
+                             f"{type(drafter).__name__}")
+    c = drafter.config
+    if not c.confidence_head:
+        raise SpectrainError("the drafter has no confidence head to drop")
+    if c.markov_rank:
+        raise SpectrainError(f"the drafter's Markov head (rank {c.markov_rank}) shapes its drafts: without it, it "
+                             "would draft other tokens; export it whole (speculators-dspark)")
+    if c.sample_from_anchor:
+        raise SpectrainError("the drafter drafts from the anchor's slot (DSpark's layout); DFlash drafts from slot 1")
+    body = DFlashDrafter(replace(c, confidence_head=False, method=""))
+    body.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("confidence_head.")})
+    weight = drafter.fc.weight
+    body.to(weight.device, weight.dtype).train(drafter.training)
+    for attr in ("ranking", "verifier_note"):  # what load_drafter attaches: the ranked head, the verifier's note
+        if hasattr(drafter, attr):
+            setattr(body, attr, getattr(drafter, attr))
+    return body
 
 
 # -- serving format: vLLM's speculators layout ----------------------------------------------------------------------

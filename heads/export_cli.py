@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .dflash import without_confidence_head
 from .errors import SpectrainError, run_command
 from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, method_of,
                       weights_file)
@@ -44,12 +45,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "verifier.name_or_path); default: the recorded one, e.g. a hub id instead of a local dir")
     p.add_argument("--speculative_tokens", type=int, default=None,
                    help="speculators format: the proposal's default number of speculative tokens")
+    p.add_argument("--drop_confidence_head", action="store_true",
+                   help="a DSpark drafter with only a confidence head: export its DFlash body (the same drafts; the "
+                        "head only sizes our verify lengths) for engines that serve DFlash but not DSpark")
     p.add_argument("--trust_remote_code", action="store_true")
     return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> Path:
     drafter = import_drafter(args.drafter)
+    if args.drop_confidence_head:
+        drafter = without_confidence_head(drafter)
     method = method_of(drafter)
     for fmt in args.formats:  # check every requested format before writing any
         check_format_for(drafter, fmt)

@@ -412,6 +412,62 @@ def test_speculators_export_validates_and_imports_back(bigram, tmp_path, kw, fmt
         import_drafter(out, verifier_model=model)
 
 
+def test_dropping_the_confidence_head_keeps_every_draft_and_exports_dflash(bigram, tmp_path, capsys):
+    """A DSpark drafter with only a confidence head serves as DFlash (vLLM's CPU runner has no DSpark): its body
+    drafts exactly the same blocks, greedy and sampled, and spectrain-export --drop_confidence_head writes
+    speculators-dflash."""
+    from spectrain.eval.accept import Sampling
+    from spectrain.heads.dflash import without_confidence_head
+    from spectrain.heads.export_cli import main as export_main
+    from spectrain.heads.formats import detect_format, import_drafter
+
+    model, _ = bigram
+    drafter = drafter_for(model, confidence_head=True)
+    with torch.no_grad():
+        for p in drafter.parameters():  # away from the fresh init's ones and zeros
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    drafter.ranking = "the ranked head load_drafter attached"
+    body = without_confidence_head(drafter)
+    assert body.config.method == "dflash" and not hasattr(body, "confidence_head")
+    assert body.ranking == drafter.ranking and not body.training
+    runner = StaticCausalLM(model, max_len=96)
+    for sampling in (Sampling(), Sampling(temperature=1.0)):
+        blocks, outputs = {}, {}
+        for name, d in (("dspark", drafter), ("body", body)):
+            chain = DFlashChainDrafter(d, model, 4)
+            real, seen = chain.block_logits, blocks.setdefault(name, [])
+            chain.block_logits = lambda state, real=real, seen=seen: seen.append(real(state)) or seen[-1]
+            out = generate(runner, chain, PROMPT, 24, sampling, generator=torch.Generator().manual_seed(3))
+            outputs[name] = (out.tokens, out.accept_lengths)
+        assert len(blocks["body"]) == len(blocks["dspark"]) > 3
+        assert all(torch.equal(a, b) for a, b in zip(blocks["body"], blocks["dspark"]))
+        assert outputs["body"] == outputs["dspark"]
+    in_bf16 = without_confidence_head(drafter_for(model, confidence_head=True).to(torch.bfloat16))
+    assert in_bf16.fc.weight.dtype == torch.bfloat16  # the drafter's own dtype, not a fresh fp32 module
+    drafter.save_pretrained(tmp_path / "run")
+    drafter_for(model).save_pretrained(tmp_path / "plain")
+    for run, flags, problem in (("run", [], "holds dflash drafters"), ("plain", ["--drop_confidence_head"],
+                                                                     "no confidence head")):
+        with pytest.raises(SystemExit) as refused:  # the whole DSpark drafter; a drafter without the head
+            export_main([str(tmp_path / run), "--format", "speculators-dflash", *flags, "--out", str(tmp_path / "no")])
+        assert refused.value.code == 2 and not (tmp_path / "no").exists()
+        assert problem in capsys.readouterr().err
+    export_main([str(tmp_path / "run"), "--format", "speculators-dflash", "--drop_confidence_head",
+                 "--out", str(tmp_path / "body")])
+    assert detect_format(tmp_path / "body") == "speculators-dflash"
+    back = import_drafter(tmp_path / "body", verifier_model=model)
+    assert back.config.method == "dflash"
+    assert back.state_dict().keys() == body.state_dict().keys()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in body.state_dict().items())
+    for kw, problem in (({"markov_rank": 4, "confidence_head": True}, "Markov head"),
+                        ({"confidence_head": True, "sample_from_anchor": True}, "anchor's slot"),
+                        ({}, "no confidence head")):
+        with pytest.raises(SpectrainError, match=problem):
+            without_confidence_head(drafter_for(model, **kw))
+    with pytest.raises(SpectrainError, match="only a block drafter"):
+        without_confidence_head(torch.nn.Linear(2, 2))
+
+
 def test_a_from_anchor_drafter_without_dspark_heads_has_no_engine_layout(bigram, tmp_path):
     from spectrain.heads.formats import export_drafter
 
