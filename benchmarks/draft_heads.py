@@ -36,7 +36,7 @@ from spectrain.eval.cli import dynamic_tree, named_values
 from spectrain.eval.evaluate import evaluate_drafter, in_loop_costs, load_drafter, summarize
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.eval.families import check_confidence, evaluator_of
+from spectrain.eval.families import check_chain_depth, check_confidence, evaluator_of
 from spectrain.heads.families import family_of
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
@@ -160,13 +160,6 @@ def chain_lengths(spec: str) -> list[int]:
     return lengths
 
 
-def check_chain_lengths(name: str, drafter, evaluator, lengths: list[int]) -> None:
-    """Refuse a chain the drafter cannot draft (Medusa's heads, a block's slots) before anything is decoded."""
-    deepest = evaluator.max_depth(drafter)
-    if deepest is not None and max(lengths) > deepest:
-        raise SpectrainError(f"drafter {name!r} drafts at most {deepest} tokens a round, not {max(lengths)}")
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     run_command(run, parse_args(argv), shlex.join(["python", "benchmarks/draft_heads.py", *argv]))
@@ -193,7 +186,7 @@ def run(args: argparse.Namespace, command: str):
         method = family_of(drafter).name
         evaluator = evaluator_of(family_of(drafter))
         lengths = chains.get(name, [args.k])
-        check_chain_lengths(name, drafter, evaluator, lengths)  # before anything is decoded
+        check_chain_depth(name, drafter, max(lengths))  # before anything is decoded
         tree = (dict(tree=args.medusa_tree) if evaluator.rank_trees else
                 dict(dynamic_tree=dynamic_tree(args.dynamic_tree)) if evaluator.dynamic_trees else {})  # else chains
         eagle3 = getattr(drafter, "is_eagle3", False)  # drafts over its own draft vocabulary: no --draft_vocabs

@@ -24,7 +24,7 @@ import time
 
 from spectrain.eval.cli import named_values
 from spectrain.eval.evaluate import evaluate_drafter, load_drafter
-from spectrain.eval.families import evaluator_of
+from spectrain.eval.families import check_chain_depth
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.families import family_of
@@ -82,10 +82,7 @@ def run(args: argparse.Namespace, command: str):
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer)
     drafters = {name: load_drafter(path, verifier) for name, path in runs.items()}  # every path checked first
     for name, drafter in drafters.items():  # and every chain, before anything is decoded
-        deepest = evaluator_of(family_of(drafter)).max_depth(drafter)
-        if deepest is not None and chains.get(name, args.k) > deepest:
-            raise SpectrainError(f"drafter {name!r} drafts at most {deepest} tokens a round, not "
-                                 f"{chains.get(name, args.k)}")
+        check_chain_depth(name, drafter, chains.get(name, args.k))
     rows = []
     for temperature in temps:
         reference = None  # AR is decoded by the first drafter's call, then reused: the T = 0 identity reference

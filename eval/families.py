@@ -95,6 +95,14 @@ def check_confidence(learned) -> None:
 
 
 # -- the bundled families ---------------------------------------------------------------------------------------
+def check_chain_depth(name: str, learned, k: int) -> None:
+    """Refuse a chain of ``k`` the drafter cannot draft (Medusa's heads, a block's slots), before anything is
+    decoded; ``name`` labels the drafter in the message."""
+    deepest = evaluator_of(family_of(learned)).max_depth(learned)
+    if deepest is not None and k > deepest:
+        raise SpectrainError(f"drafter {name!r} drafts at most {deepest} tokens a round, not {k}")
+
+
 def _medusa_drafter(heads, model, tree, *, dynamic=None, vocab=None) -> Drafter:
     return MedusaDrafter(heads, model.get_output_embeddings(), tree, vocab=vocab)
 

@@ -468,6 +468,16 @@ def test_dropping_the_confidence_head_keeps_every_draft_and_exports_dflash(bigra
         without_confidence_head(torch.nn.Linear(2, 2))
 
 
+def test_a_chain_deeper_than_the_block_is_refused_by_name(bigram):
+    from spectrain.eval.families import check_chain_depth
+
+    model, _ = bigram
+    drafter = drafter_for(model, block_size=5)  # 4 drafts a round
+    check_chain_depth("block", drafter, 4)
+    with pytest.raises(SpectrainError, match="drafter 'block' drafts at most 4 tokens a round, not 5"):
+        check_chain_depth("block", drafter, 5)
+
+
 def test_a_from_anchor_drafter_without_dspark_heads_has_no_engine_layout(bigram, tmp_path):
     from spectrain.heads.formats import export_drafter
 
