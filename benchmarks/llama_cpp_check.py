@@ -27,7 +27,8 @@ Controls guard against a draft that loads but is read differently than we think:
   same way against our greedy output.
 - two mistaken exports of each trained drafter that must be *caught* (τ outside the tolerance): ``wrong-layers``
   (target layers shifted by one, the ids an off-by-one in the capture convention would write) and ``wrong-d2t``
-  (the draft→target map rolled by one id). A mistake τ does not see is reported as not caught and fails the check.
+  (the draft→target map rolled by one id). A mistake τ does not see is reported as not caught and fails the check
+  (the layers llama.cpp's loader resolved, read from its log, are recorded beside it: they only echo the file).
 """
 
 from __future__ import annotations
@@ -189,9 +190,10 @@ def judge(info: dict, plain: list[list[int]], spec: list[list[int]], counts: lis
     ``plain`` / ``spec``: llama.cpp's greedy outputs without and with the draft, per prompt; ``counts``: per prompt
     :func:`llama_cpp_server.rounds_and_tau`; ``ours``: our evaluator's ``tau`` / ``accepted`` / ``rounds`` (and
     ``ar_tokens``). Every row needs spec == plain on every prompt and, where ``info["expected_layers"]`` is set,
-    the target layers llama.cpp's loader resolved (``info["engine_layers"]``, read from its log) equal to them. A
-    drafter needs |τ_llama.cpp − τ_ours| ≤ ``tolerance`` · τ_ours; a mistaken export (``info["must_differ"]``) needs
-    the opposite: caught by τ or by the resolved layers; a control
+    the target layers llama.cpp's loader resolved (``info["engine_layers"]``, read from its log) equal to them (an
+    integrity check: they echo the file). A drafter needs |τ_llama.cpp − τ_ours| ≤ ``tolerance`` · τ_ours; a
+    mistaken export (``info["must_differ"]``) needs the opposite, τ outside the tolerance: the resolved layers of a
+    file that says the wrong layers are the wrong layers, so they prove nothing about the convention; a control
     (``info["control_token"]``) needs llama.cpp's accepted count equal to the count predicted from what it emitted
     (``spec``: a draft of ``k`` copies of the token accepts exactly its leading runs there), and ours equal to the
     one predicted from our own output. A prompt whose ``spec`` parts from ``plain`` passes only as a measured
@@ -223,11 +225,11 @@ def judge(info: dict, plain: list[list[int]], spec: list[list[int]], counts: lis
             ok = False
             notes.append(f"llama.cpp resolved target layers {info.get('engine_layers')}, the drafter's are "
                          f"{info['expected_layers']}")
-    if "must_differ" in info:
-        caught_by = [w for w, hit in (("tau", not within), ("resolved layers", layers_differ)) if hit]
-        ok = ok and bool(caught_by)
-        notes.append((f"caught by {' and '.join(caught_by)}" if caught_by else "NOT caught")
-                     + (f": tau {tau:.3f} vs {ours['tau']:.3f}" if tau is not None else ": no rounds"))
+    if "must_differ" in info:  # caught only by what the engine measures: the resolved layers echo the file
+        ok = ok and not within
+        notes.append(f"{'caught' if not within else 'NOT caught'} by tau"
+                     + (f": {tau:.3f} vs {ours['tau']:.3f}" if tau is not None else ": no rounds")
+                     + ("; llama.cpp read the file's shifted layers" if layers_differ else ""))
     else:
         ok = ok and within
     if "control_token" in info:

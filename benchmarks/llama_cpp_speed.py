@@ -120,11 +120,15 @@ def targets(args, out: Path) -> dict[str, Path]:
                 q8 = out / "target-q8_0.gguf"
                 if not q8.is_file():
                     quantize = find_binary("llama-quantize", args.llama_cpp)
-                    proc = subprocess.run([str(quantize), str(f32), str(q8) + ".tmp", "Q8_0"], capture_output=True,
-                                          text=True)
-                    if proc.returncode:
-                        raise SpectrainError(f"llama-quantize failed: {proc.stderr[-800:]}")
-                    Path(str(q8) + ".tmp").rename(q8)
+                    tmp = Path(str(q8) + ".tmp")
+                    try:
+                        proc = subprocess.run([str(quantize), str(f32), str(tmp), "Q8_0"], capture_output=True,
+                                              text=True, timeout=1800)
+                        if proc.returncode:
+                            raise SpectrainError(f"llama-quantize failed: {proc.stderr[-800:]}")
+                        tmp.rename(q8)
+                    finally:
+                        tmp.unlink(missing_ok=True)
                 found[spec] = q8
         else:
             raise SpectrainError(f"--targets: unknown target {spec!r} (f32, q8_0, q4_1 or NAME=FILE.gguf)")

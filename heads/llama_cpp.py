@@ -329,6 +329,9 @@ def expected_eagle3_tensors(meta: dict[str, GGUFValue]) -> dict[str, tuple[int, 
             raise SpectrainError(f"eagle3 GGUF lacks the key {key!r} llama.cpp's loader reads")
         return meta[key].value
 
+    if get(f"{a}.block_count") != 1:
+        raise SpectrainError(f"eagle3 GGUF has {get(f'{a}.block_count')} blocks; llama.cpp's eagle3 graph has one")
+    get(f"{a}.attention.layer_norm_rms_epsilon")
     h, ff = get(f"{a}.embedding_length"), get(f"{a}.feed_forward_length")
     heads, kv = get(f"{a}.attention.head_count"), get(f"{a}.attention.head_count_kv")
     d = meta[f"{a}.attention.key_length"].value if f"{a}.attention.key_length" in meta else h // heads
@@ -456,4 +459,6 @@ def write_verifier_gguf(source_gguf: str | Path, out_path: str | Path, dtype: st
         if lost:
             raise SpectrainError(f"re-encoding {source_gguf} lost tensors: {sorted(lost)}")
 
+    if "general.architecture" not in meta:
+        raise SpectrainError(f"{source_gguf} has no general.architecture: not a model GGUF")
     return write_gguf(out_path, meta["general.architecture"].value, fill, check, force=force)
