@@ -25,8 +25,8 @@ from .errors import SpectrainError, run_command
 from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, method_of,
                       weights_file)
 from .io import read_json
-from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, check_target, target_shape, tokenizer_metadata,
-                        validate_eagle3_gguf, write_eagle3_gguf, write_verifier_gguf)
+from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, check_target, gguf_tensors, target_shape,
+                        tokenizer_metadata, write_eagle3_gguf, write_verifier_gguf)
 from .medusa import check_compatible
 from .report import finish, format_table
 from .verifier import load_verifier, load_verifier_signature, resolve_dtype, smollm2_gguf, verifier_identity
@@ -90,12 +90,11 @@ def gguf_target(drafter, args) -> Path:
     return target
 
 
-def _export_gguf(drafter, args, out: Path) -> dict:
-    target = gguf_target(drafter, args)
+def _export_gguf(drafter, args, out: Path, target: Path) -> dict:
     write_eagle3_gguf(drafter, out, target, dtype=args.dtype or "float32", force=args.force,
                       name=args.verifier_name and f"spectrain EAGLE-3 for {args.verifier_name}" or "")
-    tensors = validate_eagle3_gguf(out, target)  # write_eagle3_gguf checked it before the rename; count for the table
-    return {"format": GGUF, "engine": GGUF_DESCRIPTION, "path": str(out.resolve()), "tensors": len(tensors) + 2,
+    tensors = gguf_tensors(out)  # write_eagle3_gguf validated it before the rename
+    return {"format": GGUF, "engine": GGUF_DESCRIPTION, "path": str(out.resolve()), "tensors": len(tensors),
             "bytes": out.stat().st_size, "notes": [f"{GGUF}: serve with llama-server -m {target} -md {out} "
                                                     "--spec-type draft-eagle3"], "target_gguf": str(target)}
 
@@ -108,7 +107,7 @@ def run(args: argparse.Namespace) -> Path:
     for fmt in args.formats:  # check every requested format before writing any
         if fmt == GGUF:
             check_gguf_exportable(drafter)
-            gguf_target(drafter, args)  # found, with a tokenizer, shaped like the drafter's verifier
+            target = gguf_target(drafter, args)  # found, with a tokenizer, shaped like the drafter's verifier
         else:
             check_format_for(drafter, fmt)
     if args.speculative_tokens is not None and args.speculative_tokens < 1:
@@ -136,7 +135,7 @@ def run(args: argparse.Namespace) -> Path:
         else:
             out = (Path(args.out) if args.out else base / "export") / (f"{GGUF}/eagle3.gguf" if fmt == GGUF else fmt)
         if fmt == GGUF:
-            record = _export_gguf(drafter, args, out)
+            record = _export_gguf(drafter, args, out, target)
             rows.append([fmt, str(out), record["tensors"], f"{record['bytes'] / 2**20:.2f}"])
             records.append(record)
             notes += record["notes"]

@@ -44,8 +44,6 @@ from .io import atomic_path
 ARCH = "eagle3"
 FUSED_LAYERS = 3  # llama.cpp's eagle3 loader and common/speculative.cpp require exactly three
 GGUF_DTYPES = ("float32", "float16", "bfloat16")
-# keys that only describe the file (llama.cpp reads none of them to run it): not compared with the converter's
-INFORMATIONAL_KEYS = ("general.", "GGUF.")
 
 
 def _gguf():
@@ -250,17 +248,13 @@ def _check_dtype(dtype: str) -> str:
     return dtype
 
 
-def _encode(gguf, array: np.ndarray, dtype: str, name: str):
+def _encode(gguf, array: np.ndarray, dtype: str):
     """(data, raw_dtype) of a float32 array in ``dtype``; 1-D tensors (norms) stay f32, as the converter keeps them."""
     if array.ndim == 1 or dtype == "float32":
         return array.astype(np.float32), None
     if dtype == "float16":
         return array.astype(np.float16), None
     return gguf.quants.quantize(array.astype(np.float32), gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
-
-
-def _value_type(gguf, name: str):
-    return getattr(gguf.GGUFValueType, name)
 
 
 def write_eagle3_gguf(drafter, out_path: str | Path, target_gguf: str | Path, dtype: str = "float32",
@@ -289,14 +283,14 @@ def write_eagle3_gguf(drafter, out_path: str | Path, target_gguf: str | Path, dt
             if vtype == "ARRAY_INT32":
                 writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
             else:
-                writer.add_key_value(key, value, _value_type(gguf, vtype))
+                writer.add_key_value(key, value, getattr(gguf.GGUFValueType, vtype))
         for key, value in tokenizer.items():
             _add(writer, key, value)
         for tname, t in tensors.items():
             if tname == "d2t":
                 writer.add_tensor(tname, t.numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
                 continue
-            data, raw = _encode(gguf, t.numpy(), dtype, tname)
+            data, raw = _encode(gguf, t.numpy(), dtype)
             writer.add_tensor(tname, data, raw_dtype=raw)  # bf16 comes as bytes: gguf derives the shape
 
     return write_gguf(out_path, ARCH, fill, lambda tmp: validate_eagle3_gguf(tmp, target_gguf), force=True)
@@ -451,7 +445,7 @@ def write_verifier_gguf(source_gguf: str | Path, out_path: str | Path, dtype: st
             values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
             if through is not None:
                 values = torch.from_numpy(values).to(getattr(torch, through)).float().numpy()
-            data, raw = _encode(gguf, values, dtype, t.name)
+            data, raw = _encode(gguf, values, dtype)
             writer.add_tensor(t.name, data, raw_dtype=raw)
 
     def check(tmp) -> None:
