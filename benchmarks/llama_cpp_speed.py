@@ -14,29 +14,47 @@ mode's speed in a repeat is its tokens over its decode milliseconds (llama.cpp's
 repeat; the table gives the median and the min–max over repeats. A speedup whose range reaches 1.0 is not a win.
 Also per mode: τ (tokens per target forward, prefill excluded), drafts accepted, ms per round against plain
 decoding's ms per token, and whether every output equals plain greedy decoding.
+
+Where a round's time goes: every server runs at ``-lv 4``, where llama.cpp logs its own speculative counters when
+a request ends (``dur(b,g,a)``: ms spent generating drafts, accepting them); a mode's draft ms per round is that
+(warm-up excluded) over its rounds, and the rest of its round (the target's verify pass, sampling, the server's own
+work) is its ms per round less that.
+
+Draft modes beyond ``--draft_lengths``: ``--draft_modes`` takes items like ``k1:q8_0``, ``k4:p0.6`` or
+``k1:f16:t1`` (draft length; the draft GGUF's dtype f32 / f16 / bf16 / q8_0; ``--spec-draft-p-min``; draft
+threads), each a mode of its own, so a draft's dtype, confidence cut-off and threads are timed in the same run.
+
+Parallel slots (``--parallel 1,2,4``): for each slot count P and each of ``--parallel_modes``, a server with
+``-np P``; each repeat sends all prompts through P concurrent clients and times the wall clock from the first
+request to the last reply (prefill included: with P requests in flight it cannot be taken apart). The figure is
+aggregate generated tokens per second, and each mode's ratio to plain decoding at the same P.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_check import first_turns, strip_eos  # noqa: E402
-from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, find_binary,  # noqa: E402
-                              rounds_and_tau)
+from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, draft_time,  # noqa: E402
+                              find_binary, rounds_and_tau)
 
 from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
 from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
 from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
+from spectrain.heads.io import read_json  # noqa: E402
 from spectrain.heads.llama_cpp import write_eagle3_gguf, write_verifier_gguf  # noqa: E402
 from spectrain.heads.report import finish, format_table  # noqa: E402
 from spectrain.heads.verifier import load_tokenizer, resolve_verifier  # noqa: E402
@@ -45,6 +63,60 @@ NGRAM_MODES = ("ngram-simple", "ngram-mod", "ngram-map-k")
 # ngram-mod keeps one hash pool across all requests of a server: with repeats, the second repeat would draft the
 # first repeat's output of the same prompt. Such a mode gets a fresh server for every request.
 CROSS_REQUEST_STATE = ("ngram-mod",)
+DRAFT_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0"}
+
+
+@dataclass(frozen=True)
+class DraftMode:
+    """One setting of our EAGLE-3 draft in llama-server: draft length, the draft GGUF's dtype, p-min, threads."""
+    k: int
+    dtype: str = "f32"
+    p_min: float | None = None  # None: --p_min
+    threads: int | None = None  # None: --threads
+
+    @property
+    def name(self) -> str:
+        return "eagle3-k" + "-".join([str(self.k)] + ([self.dtype] if self.dtype != "f32" else []) +
+                                     ([f"p{self.p_min:g}"] if self.p_min is not None else []) +
+                                     ([f"t{self.threads}"] if self.threads is not None else []))
+
+
+def parse_draft_mode(text: str) -> DraftMode:
+    """``k4``, ``k1:q8_0``, ``k6:p0.8``, ``k1:f16:t1`` (or a bare draft length, ``4``) -> :class:`DraftMode`."""
+    parts = [x for x in text.strip().split(":") if x]
+    fields: dict = {}
+    try:
+        if not parts:
+            raise ValueError
+        head = parts[0][1:] if parts[0].startswith("k") else parts[0]
+        fields["k"] = int(head)
+        for part in parts[1:]:
+            if part in DRAFT_DTYPES:
+                fields["dtype"] = part
+            elif part.startswith("p"):
+                fields["p_min"] = float(part[1:])
+            elif part.startswith("t"):
+                fields["threads"] = int(part[1:])
+            else:
+                raise ValueError
+    except ValueError:
+        raise SpectrainError(f"draft mode {text!r}: want kN[:DTYPE][:pP][:tT], DTYPE one of "
+                             f"{', '.join(DRAFT_DTYPES)} (e.g. k1:q8_0, k4:p0.6, k1:t1)") from None
+    mode = DraftMode(**fields)
+    if mode.k < 1 or (mode.threads is not None and mode.threads < 1) or not 0 <= (mode.p_min or 0) <= 1:
+        raise SpectrainError(f"draft mode {text!r}: draft length and threads must be >= 1, p-min in [0, 1]")
+    return mode
+
+
+def draft_modes(args) -> list[DraftMode]:
+    """--draft_lengths (f32 drafts) then --draft_modes, each once, in that order."""
+    items = [x for x in args.draft_lengths.split(",") if x.strip()] + args.draft_modes.replace(",", " ").split()
+    out: list[DraftMode] = []
+    for item in items:
+        mode = parse_draft_mode(item)
+        if mode not in out:
+            out.append(mode)
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of f32 (the verifier re-encoded), q8_0 (that through llama-quantize), q4_1 (the "
                         "source GGUF as shipped), or NAME=FILE.gguf")
     p.add_argument("--draft_lengths", default="1,2,3,4,5,6")
+    p.add_argument("--draft_modes", default="", help="more draft modes, kN[:DTYPE][:pP][:tT] each (e.g. 'k1:q8_0 "
+                                                     "k4:p0.6 k1:t1'): the draft GGUF's dtype, p-min, threads")
     p.add_argument("--p_min", type=float, default=0.0, help="--spec-draft-p-min for our draft")
     p.add_argument("--ngram", default=",".join(NGRAM_MODES), help="llama.cpp n-gram modes to run ('' for none)")
     p.add_argument("--prompts", required=True)
@@ -64,6 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--parallel", default="", help="slot counts for the concurrency phase, e.g. 1,2,4 ('' for none)")
+    p.add_argument("--parallel_modes", default="plain,eagle3-k1,ngram-map-k",
+                   help="modes of the concurrency phase (names as in the table)")
+    p.add_argument("--parallel_targets", default=None, help="targets of the concurrency phase (default: all)")
     p.add_argument("--out", default="runs/llama_cpp_speed")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.num_prompts < 1:
@@ -86,13 +164,14 @@ def cpu_name() -> dict:
     return info
 
 
-def modes(args, draft_gguf: Path) -> dict[str, list[str]]:
-    """mode name -> llama-server flags beyond the common ones."""
+def modes(args, drafts: dict[str, Path]) -> dict[str, list[str]]:
+    """mode name -> llama-server flags beyond the common ones; ``drafts``: draft dtype -> its GGUF."""
     out = {"plain": []}
-    for k in [int(x) for x in args.draft_lengths.split(",") if x.strip()]:
-        out[f"eagle3-k{k}"] = ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
-                               "--spec-draft-n-min", "0", "--spec-draft-p-min", str(args.p_min),
-                               "-td", str(args.threads), "-tbd", str(args.threads)]
+    for mode in draft_modes(args):
+        threads = str(mode.threads or args.threads)
+        out[mode.name] = ["-md", str(drafts[mode.dtype]), "--spec-type", "draft-eagle3", "--spec-draft-n-max",
+                          str(mode.k), "--spec-draft-n-min", "0", "--spec-draft-p-min",
+                          str(args.p_min if mode.p_min is None else mode.p_min), "-td", threads, "-tbd", threads]
     for name in [x for x in args.ngram.split(",") if x.strip()]:
         if name not in NGRAM_MODES:
             raise SpectrainError(f"--ngram: unknown mode {name!r}; one of {', '.join(NGRAM_MODES)}")
@@ -153,6 +232,8 @@ def summarize(runs: dict[str, list[list[dict]]], plain: list[list[int]]) -> dict
         generated, rounds = sum(c["generated"] for c in counts), sum(c["rounds"] for c in counts)
         ms_round = statistics.median(sum(r["timings"]["predicted_ms"] for r in rep) /
                                      max(sum(rounds_and_tau(r)["rounds"] for r in rep), 1) for rep in reps)
+        rounds_all = sum(rounds_and_tau(r)["rounds"] for rep in reps for r in rep)
+        ms_all = sum(r["timings"]["predicted_ms"] for rep in reps for r in rep)
         identical = sum(all(r["tokens_eos_stripped"] == p for r in (rep[i] for rep in reps))
                         for i, p in enumerate(plain))
         out[mode] = {"tok_per_s": speeds, "tok_per_s_median": statistics.median(speeds),
@@ -160,13 +241,208 @@ def summarize(runs: dict[str, list[list[dict]]], plain: list[list[int]]) -> dict
                      "speedup_min": min(ratios), "speedup_max": max(ratios),
                      "win": min(ratios) > 1.0, "tau": (generated - len(counts)) / rounds if rounds else None,
                      "drafted": sum(c["drafted"] for c in counts), "accepted": sum(c["accepted"] for c in counts),
-                     "ms_per_round_median": ms_round, "identical_prompts": identical, "prompts": len(plain)}
+                     "ms_per_round_median": ms_round, "rounds_all_repeats": rounds_all,
+                     "ms_per_round_pooled": ms_all / rounds_all if rounds_all else None,
+                     "identical_prompts": identical, "prompts": len(plain)}
     return out
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--resummarize"]:
+        if len(argv) != 2:
+            print("usage: python benchmarks/llama_cpp_speed.py --resummarize RESULT.json", file=sys.stderr)
+            raise SystemExit(2)
+        run_command(resummarize, argv[1])
+        return
     run_command(run, parse_args(argv), shlex.join(["python", "benchmarks/llama_cpp_speed.py", *argv]))
+
+
+def draft_files(args, out: Path) -> dict[str, Path]:
+    """Draft dtype -> the draft GGUF of every dtype a draft mode asks for (written from --drafter)."""
+    wanted = sorted({m.dtype for m in draft_modes(args)})
+    if args.drafter.endswith(".gguf"):
+        if wanted not in ([], ["f32"]):
+            raise SpectrainError("--drafter is a .gguf: draft modes of another dtype need the drafter's directory")
+        return {"f32": Path(args.drafter)}
+    drafter = import_drafter(args.drafter)
+    if method_of(drafter) != "eagle3":
+        raise SpectrainError(f"--drafter: llama.cpp serves EAGLE-3 drafts; this one is {method_of(drafter)}")
+    return {d: write_eagle3_gguf(drafter, out / ("draft-eagle3.gguf" if d == "f32" else f"draft-eagle3-{d}.gguf"),
+                                 target_gguf_for(args.verifier), dtype=DRAFT_DTYPES[d], force=True) for d in wanted}
+
+
+def forward_costs(bench: Path, target: Path, threads: int, sizes: list[int], repeats: int = 5) -> dict:
+    """The target's own forward cost by batch size, from ``llama-bench`` (nothing else running): ms of one forward
+    over n new tokens (``-p n``: what a verify pass of n = drafts + 1 tokens computes) and ms per token of plain
+    generation (``-n 16``), each the mean of ``repeats`` runs with its standard deviation."""
+    cmd = [str(bench), "-m", str(target), "-p", ",".join(map(str, sizes)), "-n", "16", "-t", str(threads),
+           "-r", str(repeats), "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise SpectrainError(f"llama-bench failed: {proc.stderr[-800:]}")
+    rows = json.loads(proc.stdout)
+    out = {"command": cmd, "forward_ms": {}, "forward_ms_std": {}}
+    for r in rows:
+        if r["n_gen"]:
+            out["generate_ms_per_token"] = r["avg_ns"] / 1e6 / r["n_gen"]
+        else:
+            out["forward_ms"][str(r["n_prompt"])] = r["avg_ns"] / 1e6
+            out["forward_ms_std"][str(r["n_prompt"])] = r["stddev_ns"] / 1e6
+    return out
+
+
+def round_split(mode: dict, drafting: dict | None) -> dict:
+    """A mode's round split from llama.cpp's own draft timer: draft ms per round and the rest of the round."""
+    if not drafting:
+        return {}
+    rounds = mode["rounds_all_repeats"]
+    per_round = drafting["draft_ms"] / rounds if rounds else None
+    return {"draft_calls": drafting["calls"], "draft_ms": round(drafting["draft_ms"], 3),
+            "draft_ms_per_round": per_round, "rest_ms_per_round":
+                None if per_round is None else mode["ms_per_round_pooled"] - per_round}
+
+
+def round_costs(modes: dict[str, dict], costs: dict) -> dict[str, dict]:
+    """Per draft mode of fixed length (no p-min): its round against plain decoding, from measured numbers only.
+
+    ``break_even_tau`` = ms per round / plain's ms per token (the τ a round needs to cost no more than plain
+    decoding of as many tokens); ``ceiling_speedup`` = (k + 1) × plain's ms per token / ms per round (every draft
+    accepted, at this round cost); the round's split: llama.cpp's draft timer, the target's forward over k + 1
+    tokens (``llama-bench``, ``costs``), and the rest (the draft's feature encoding and KV catch-up, which run
+    outside llama.cpp's draft timer, and the server's own work per round)."""
+    plain = modes["plain"]["ms_per_round_pooled"]
+    out = {}
+    for name, m in modes.items():
+        if not name.startswith("eagle3-") or m.get("draft_ms_per_round") is None:
+            continue
+        mode = parse_draft_mode(name[len("eagle3-"):].replace("-", ":"))
+        if mode.p_min:  # drafts stop early: rounds of several lengths
+            continue
+        verify = costs["forward_ms"].get(str(mode.k + 1))
+        ms = m["ms_per_round_pooled"]
+        out[name] = {"k": mode.k, "ms_per_round": ms, "plain_ms_per_token": plain,
+                     "break_even_tau": ms / plain, "ceiling_speedup": (mode.k + 1) * plain / ms,
+                     "draft_ms": m["draft_ms_per_round"], "verify_ms_llama_bench": verify,
+                     "other_ms": None if verify is None else ms - m["draft_ms_per_round"] - verify}
+    return out
+
+
+def round_cost_table(name: str, rows: dict[str, dict]) -> str:
+    return format_table(["mode", "ms/round", "plain ms/token", "break-even tau", "ceiling (all accepted)",
+                         "draft ms", "verify ms (llama-bench)", "rest ms"],
+                        [[m, f"{r['ms_per_round']:.2f}", f"{r['plain_ms_per_token']:.2f}", f"{r['break_even_tau']:.3f}",
+                          f"{r['ceiling_speedup']:.3f}", f"{r['draft_ms']:.2f}",
+                          "-" if r["verify_ms_llama_bench"] is None else f"{r['verify_ms_llama_bench']:.2f}",
+                          "-" if r["other_ms"] is None else f"{r['other_ms']:.2f}"] for m, r in rows.items()],
+                        title=f"target {name}: a round against plain decoding")
+
+
+def resummarize(path: str) -> Path:
+    """``--resummarize FILE``: add :func:`round_costs` to every target of an existing result file (from its own
+    measured fields; nothing re-run), print them, write the file back atomically."""
+    path = Path(path)
+    record = read_json(path, "llama_cpp_speed result")
+    tables = []
+    try:
+        for name, target in record["targets"].items():
+            target["round_costs"] = round_costs(target["modes"], target["forward_costs"])
+            tables.append(round_cost_table(name, target["round_costs"]))
+    except KeyError as err:
+        raise SpectrainError(f"{path} lacks {err}: not a llama_cpp_speed.py result with forward costs") from None
+    return finish(record, path, tables)
+
+
+def sequential_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict, common: list[str],
+                     prompt_ids: list[list[int]], eos: set, logs: Path) -> tuple[dict, dict]:
+    """Every mode on one slot, interleaved prompt by prompt: runs[mode][repeat][prompt] and each mode's
+    llama.cpp draft timer (warm-up excluded)."""
+    names = list(mode_flags)
+    runs = {m: [[None] * len(prompt_ids) for _ in range(args.repeats)] for m in names}
+    fresh_logs: dict[str, list[Path]] = {m: [] for m in names if m in CROSS_REQUEST_STATE}
+    with ExitStack() as stack:
+        servers = {m: stack.enter_context(LlamaServer(server, tpath, common + flags, logs / f"{tname}-{m}.log"))
+                   for m, flags in mode_flags.items() if m not in CROSS_REQUEST_STATE}
+        for name in servers:  # one warm-up request each (first-call allocations), not measured
+            servers[name].complete(prompt_ids[0], 8)
+        turn = 0
+        for rep in range(args.repeats):
+            for i, ids in enumerate(prompt_ids):
+                order = names[turn % len(names):] + names[:turn % len(names)]
+                turn += 1
+                for name in order:
+                    if name in CROSS_REQUEST_STATE:  # a new server: nothing drafted from earlier requests
+                        log = logs / f"{tname}-{name}-r{rep}-p{i}.log"
+                        fresh_logs[name].append(log)
+                        with LlamaServer(server, tpath, common + mode_flags[name], log) as fresh:
+                            fresh.complete(prompt_ids[0][:8], 8)  # warm-up, as the others had
+                            r = fresh.complete(ids, args.max_new_tokens)
+                    else:
+                        r = servers[name].complete(ids, args.max_new_tokens)
+                    r["tokens_eos_stripped"] = strip_eos(r["tokens"], eos)
+                    runs[name][rep][i] = r
+    drafting = {m: draft_time((logs / f"{tname}-{m}.log").read_text()) for m in servers}
+    for m, paths in fresh_logs.items():
+        parts = [draft_time(path.read_text()) for path in paths]
+        drafting[m] = None if None in parts else {"impl": parts[0]["impl"], **{
+            k: sum(x[k] for x in parts) for k in ("calls", "draft_ms", "accept_ms")}}
+    return runs, drafting
+
+
+def parallel_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict, common: list[str],
+                   prompt_ids: list[list[int]], plain: list[list[int]], eos: set, logs: Path) -> dict:
+    """Aggregate tokens/s with P slots and P concurrent clients, per P and mode, interleaved and repeated."""
+    slots = [int(x) for x in args.parallel.split(",") if x.strip()]
+    names = [m.strip() for m in args.parallel_modes.split(",") if m.strip()]
+    for m in names:
+        if m not in mode_flags or m in CROSS_REQUEST_STATE:
+            raise SpectrainError(f"--parallel_modes: {m!r} is not a mode of this run" if m not in mode_flags else
+                                 f"--parallel_modes: {m} keeps state across requests; it cannot share a server")
+    if "plain" not in names:
+        names.insert(0, "plain")
+    walls = {(p, m): [] for p in slots for m in names}
+    outputs = {(p, m): [None] * len(prompt_ids) for p in slots for m in names}
+    counts = {(p, m): [] for p in slots for m in names}
+    rounds: dict[tuple, list[dict]] = {}
+    flags_of = {p: list(common) for p in slots}
+    for p in slots:  # -np P, and P times the context so that every slot keeps the single slot's 2048
+        f = flags_of[p]
+        f[f.index("-np") + 1], f[f.index("-c") + 1] = str(p), str(2048 * p)
+    with ExitStack() as stack:
+        servers = {(p, m): stack.enter_context(LlamaServer(server, tpath, flags_of[p] + mode_flags[m],
+                                                           logs / f"{tname}-np{p}-{m}.log"))
+                   for p in slots for m in names}
+        for s in servers.values():
+            s.complete(prompt_ids[0], 8)
+        keys = list(servers)
+        for rep in range(args.repeats):
+            order = keys[rep % len(keys):] + keys[:rep % len(keys)]
+            for key in order:
+                p, m = key
+                begin = time.perf_counter()
+                with ThreadPoolExecutor(max_workers=p) as pool:
+                    done = list(pool.map(lambda ids: servers[key].complete(ids, args.max_new_tokens), prompt_ids))
+                walls[key].append(time.perf_counter() - begin)
+                counts[key].append(sum(len(r["tokens"]) for r in done))
+                if rep == 0:
+                    outputs[key] = [strip_eos(r["tokens"], eos) for r in done]
+                    rounds[key] = [rounds_and_tau(r) for r in done]
+    result = {}
+    for p in slots:
+        rows = {}
+        for m in names:
+            speeds = [n / w for n, w in zip(counts[(p, m)], walls[(p, m)])]
+            base = [n / w for n, w in zip(counts[(p, "plain")], walls[(p, "plain")])]
+            ratios = [a / b for a, b in zip(speeds, base)]
+            acc = rounds[(p, m)]
+            rows[m] = {"tok_per_s": speeds, "tok_per_s_median": statistics.median(speeds),
+                       "speedup": ratios, "speedup_median": statistics.median(ratios), "speedup_min": min(ratios),
+                       "speedup_max": max(ratios), "win": min(ratios) > 1.0,
+                       "accepted": sum(c["accepted"] for c in acc), "drafted": sum(c["drafted"] for c in acc),
+                       "identical_to_single_slot_plain": sum(a == b for a, b in zip(outputs[(p, m)], plain)),
+                       "prompts": len(plain), "wall_s": walls[(p, m)]}
+        result[str(p)] = rows
+    return result
 
 
 def run(args, command: str = "") -> Path:
@@ -177,63 +453,61 @@ def run(args, command: str = "") -> Path:
     verifier_dir = resolve_verifier(args.verifier)
     tokenizer = load_tokenizer(verifier_dir)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    if args.drafter.endswith(".gguf"):
-        draft = Path(args.drafter)
-    else:
-        drafter = import_drafter(args.drafter)
-        if method_of(drafter) != "eagle3":
-            raise SpectrainError(f"--drafter: llama.cpp serves EAGLE-3 drafts; this one is {method_of(drafter)}")
-        draft = write_eagle3_gguf(drafter, out / "draft-eagle3.gguf", target_gguf_for(args.verifier), force=True)
+    drafts = draft_files(args, out)
     texts = first_turns(args.prompts, args.num_prompts, out / "prompts.json", tokenizer)
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": t[0]}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=True)["input_ids"]
                   if getattr(tokenizer, "chat_template", None) else tokenizer(t[0])["input_ids"] for t in texts]
-    common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", "2048", "-np", "1", "--seed", "0"]
-    mode_flags = modes(args, draft)
-    names = list(mode_flags)
+    # -lv 4: llama.cpp logs its speculative counters and draft timer at the end of every request
+    common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", "2048", "-np", "1", "--seed", "0", "-lv", "4"]
+    mode_flags = modes(args, drafts)
     results, tables = {}, []
     for tname, tpath in targets(args, out).items():
-        runs = {m: [[None] * len(prompt_ids) for _ in range(args.repeats)] for m in names}
-        with ExitStack() as stack:
-            servers = {m: stack.enter_context(LlamaServer(server, tpath, common + flags,
-                                                          out / "logs" / f"{tname}-{m}.log"))
-                       for m, flags in mode_flags.items() if m not in CROSS_REQUEST_STATE}
-            for name in servers:  # one warm-up request each (first-call allocations), not measured
-                servers[name].complete(prompt_ids[0], 8)
-            turn = 0
-            for rep in range(args.repeats):
-                for i, ids in enumerate(prompt_ids):
-                    order = names[turn % len(names):] + names[:turn % len(names)]
-                    turn += 1
-                    for name in order:
-                        if name in CROSS_REQUEST_STATE:  # a new server: nothing drafted from earlier requests
-                            with LlamaServer(server, tpath, common + mode_flags[name],
-                                             out / "logs" / f"{tname}-{name}.log") as fresh:
-                                fresh.complete(prompt_ids[0][:8], 8)  # warm-up, as the others had
-                                r = fresh.complete(ids, args.max_new_tokens)
-                        else:
-                            r = servers[name].complete(ids, args.max_new_tokens)
-                        r["tokens_eos_stripped"] = strip_eos(r["tokens"], eos)
-                        runs[name][rep][i] = r
+        runs, drafting = sequential_phase(args, server, tpath, tname, mode_flags, common, prompt_ids, eos,
+                                          out / "logs")
         plain = [r["tokens_eos_stripped"] for r in runs["plain"][0]]
         summary = summarize(runs, plain)
-        results[tname] = {"gguf": str(tpath), "modes": summary, "commands": {
+        for m in summary:
+            summary[m].update(round_split(summary[m], drafting.get(m)))
+        costs = forward_costs(find_binary("llama-bench", args.llama_cpp), tpath, args.threads,
+                              sorted({1, 2, *(m.k + 1 for m in draft_modes(args))}))
+        results[tname] = {"gguf": str(tpath), "modes": summary, "forward_costs": costs,
+                          "round_costs": round_costs(summary, costs), "commands": {
             m: [str(server), "-m", str(tpath), *common, *flags] for m, flags in mode_flags.items()},
             "raw": {m: [[{"timings": r["timings"], "generated": len(r["tokens"])} for r in rep] for rep in reps]
                     for m, reps in runs.items()}}
         rows = [[m, f"{s['tok_per_s_median']:.1f}", f"{s['speedup_median']:.3f}",
                  f"{s['speedup_min']:.3f}-{s['speedup_max']:.3f}", "-" if s["tau"] is None else f"{s['tau']:.3f}",
                  f"{s['accepted']}/{s['drafted']}" if s["drafted"] else "-", f"{s['ms_per_round_median']:.2f}",
+                 "-" if s.get("draft_ms_per_round") is None else f"{s['draft_ms_per_round']:.2f}",
                  f"{s['identical_prompts']}/{s['prompts']}"] for m, s in summary.items()]
         tables.append(format_table(["mode", "tok/s", "speedup", "range", "tau", "accepted/drafted",
-                                    "ms/round", "same as plain"], rows,
+                                    "ms/round", "draft ms/round", "same as plain"], rows,
                                    title=f"llama.cpp, target {tname} ({tpath.name}): {len(prompt_ids)} prompts x "
                                          f"{args.max_new_tokens} tokens, {args.repeats} repeats interleaved, "
                                          f"{args.threads} threads"))
+        tables.append(round_cost_table(tname, results[tname]["round_costs"]))
+        tables.append(format_table(["target forward over n tokens (llama-bench)", *costs["forward_ms"],
+                                    "plain generation, per token"],
+                                   [["ms", *(f"{v:.2f}" for v in costs["forward_ms"].values()),
+                                     f"{costs['generate_ms_per_token']:.2f}"]], title=f"target {tname}"))
+        if args.parallel and tname in (args.parallel_targets or tname).split(","):
+            par = parallel_phase(args, server, tpath, tname, mode_flags, common, prompt_ids, plain, eos, out / "logs")
+            results[tname]["parallel"] = par
+            tables.append(format_table(
+                ["slots", "mode", "aggregate tok/s", "vs plain", "range", "accepted/drafted", "same as 1-slot plain"],
+                [[p, m, f"{r['tok_per_s_median']:.1f}", f"{r['speedup_median']:.3f}",
+                  f"{r['speedup_min']:.3f}-{r['speedup_max']:.3f}",
+                  f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-",
+                  f"{r['identical_to_single_slot_plain']}/{r['prompts']}"]
+                 for p, rows_p in par.items() for m, r in rows_p.items()],
+                title=f"llama.cpp, target {tname}: P slots, P concurrent clients over {len(prompt_ids)} prompts "
+                      f"(wall clock, prefill included), {args.repeats} repeats"))
     cpu = cpu_name()
     record = {"command": command, "date": time.strftime("%Y-%m-%d"), "cpu": cpu, "threads": args.threads,
               "llama_cpp": LLAMA_CPP_VERSION, "llama_server_version": binary_version(server),
-              "verifier": args.verifier, "drafter": args.drafter, "draft_gguf": str(draft), "prompts": args.prompts,
+              "verifier": args.verifier, "drafter": args.drafter,
+              "draft_gguf": {d: str(path) for d, path in drafts.items()}, "prompts": args.prompts,
               "num_prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "targets": results, "seconds": round(time.time() - start, 1)}
     tables.append(f"CPU: {cpu.get('model')}, {cpu.get('cores')} cores (avx2 {cpu.get('avx2')}, avx512_bf16 "

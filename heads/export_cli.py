@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .dflash import without_confidence_head
+from .dflash import DFlashDrafter, without_confidence_head
+from .dflash_gguf import check_dflash_target, write_dflash_gguf
 from .errors import SpectrainError, run_command
 from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, method_of,
                       weights_file)
 from .io import read_json
-from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, check_target, gguf_tensors, target_shape,
-                        tokenizer_metadata, write_eagle3_gguf, write_verifier_gguf)
+from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, check_target, convert_verifier, gguf_tensors,
+                        target_shape, tokenizer_metadata, write_eagle3_gguf, write_verifier_gguf)
 from .medusa import check_compatible
 from .report import finish, format_table
 from .verifier import load_verifier, load_verifier_signature, resolve_dtype, smollm2_gguf, verifier_identity
@@ -43,8 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output directory (one format) or parent directory (several); "
                                                "default RUN_DIR/export/<format>")
     p.add_argument("--force", action="store_true", help="replace an existing export")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="cast floating weights (default: as trained)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "q8_0"],
+                   help="cast floating weights (default: as trained; --format gguf: float32); q8_0: --format gguf only "
+                        "(llama.cpp's 8-bit blocks)")
     p.add_argument("--verifier", default=None, help="verifier to read a shared lm_head from (default: the one "
                                                     "recorded at training time)")
     p.add_argument("--verifier_gguf_file", default=None)
@@ -64,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 GGUF = "gguf"
-GGUF_DESCRIPTION = "EAGLE-3 for llama.cpp (--spec-type draft-eagle3; one .gguf file)"
+GGUF_DESCRIPTION = ("EAGLE-3, DFlash or DSpark for llama.cpp (--spec-type draft-eagle3 / draft-dflash / draft-dspark; "
+                    "one .gguf file)")
 
 
 def target_gguf_for(verifier: str, gguf_file: str | None = None,
@@ -86,20 +89,34 @@ def gguf_target(drafter, args) -> Path:
     target = Path(args.target_gguf) if args.target_gguf else target_gguf_for(
         drafter.config.verifier, args.verifier_gguf_file)
     tokenizer_metadata(target)
-    check_target(drafter.config, target_shape(target), target)
+    if isinstance(drafter, DFlashDrafter):
+        check_dflash_target(drafter, target)
+    else:
+        check_target(drafter.config, target_shape(target), target)
     return target
 
 
 def _export_gguf(drafter, args, out: Path, target: Path) -> dict:
-    write_eagle3_gguf(drafter, out, target, dtype=args.dtype or "float32", force=args.force,
-                      name=args.verifier_name and f"spectrain EAGLE-3 for {args.verifier_name}" or "")
-    tensors = gguf_tensors(out)  # write_eagle3_gguf validated it before the rename
+    dtype = args.dtype or "float32"
+    if isinstance(drafter, DFlashDrafter):
+        c = drafter.config
+        write_dflash_gguf(drafter, out, target, dtype=dtype, force=args.force,
+                          name=args.verifier_name and f"spectrain {c.method} for {args.verifier_name}" or "")
+        # the block is bidirectional: served with fewer slots than trained, every slot's state would differ
+        serve = f"--spec-type draft-{c.method} --spec-draft-n-max {c.drafts} --spec-draft-p-min 0"
+    else:
+        write_eagle3_gguf(drafter, out, target, dtype=dtype, force=args.force,
+                          name=args.verifier_name and f"spectrain EAGLE-3 for {args.verifier_name}" or "")
+        serve = "--spec-type draft-eagle3"
+    tensors = gguf_tensors(out)  # the writer validated it before the rename
     return {"format": GGUF, "engine": GGUF_DESCRIPTION, "path": str(out.resolve()), "tensors": len(tensors),
-            "bytes": out.stat().st_size, "notes": [f"{GGUF}: serve with llama-server -m {target} -md {out} "
-                                                    "--spec-type draft-eagle3"], "target_gguf": str(target)}
+            "bytes": out.stat().st_size, "notes": [f"{GGUF}: serve with llama-server -m {target} -md {out} {serve}"],
+            "target_gguf": str(target)}
 
 
 def run(args: argparse.Namespace) -> Path:
+    if args.dtype == "q8_0" and set(args.formats) != {GGUF}:
+        raise SpectrainError("--dtype q8_0 is a GGUF block format: it goes with --format gguf only")
     drafter = import_drafter(args.drafter)
     if args.drop_confidence_head:
         drafter = without_confidence_head(drafter)
@@ -126,14 +143,14 @@ def run(args: argparse.Namespace) -> Path:
         verifier_lm_head = verifier.get_output_embeddings()
         signature = signature or verifier_identity(verifier, loaded.tokenizer)  # loaded anyway: record it
         check_compatible(drafter.config.hidden_size, drafter.config.vocab_size, verifier, args.drafter)
-    dtype = resolve_dtype(args.dtype) if args.dtype else None
+    dtype = resolve_dtype(args.dtype) if args.dtype and args.dtype != "q8_0" else None  # q8_0: GGUF only
     base = Path(args.drafter)
     rows, records, notes = [], [], []
     for fmt in args.formats:
         if args.out and len(args.formats) == 1:
             out = Path(args.out)
         else:
-            out = (Path(args.out) if args.out else base / "export") / (f"{GGUF}/eagle3.gguf" if fmt == GGUF else fmt)
+            out = (Path(args.out) if args.out else base / "export") / (f"{GGUF}/{method}.gguf" if fmt == GGUF else fmt)
         if fmt == GGUF:
             record = _export_gguf(drafter, args, out, target)
             rows.append([fmt, str(out), record["tensors"], f"{record['bytes'] / 2**20:.2f}"])
@@ -170,25 +187,36 @@ def main(argv=None) -> None:
 
 def parse_verifier_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spectrain-verifier-gguf",
-                                description="a verifier GGUF re-encoded for llama.cpp: the weights the drafter "
-                                            "trained on, dequantized, at f32 / f16 / bf16")
-    p.add_argument("source", help="bundled:smollm2, or a verifier .gguf file")
+                                description="a verifier GGUF for llama.cpp holding the weights the drafter trained "
+                                            "on, at f32 / f16 / bf16: a GGUF re-encoded (dequantized), or an HF "
+                                            "directory converted by llama.cpp's converter and checked tensor by tensor")
+    p.add_argument("source", help="bundled:smollm2, a verifier .gguf file, or an HF verifier directory (needs "
+                                  "--llama_cpp)")
     p.add_argument("--dtype", default="float32", choices=GGUF_DTYPES)
     p.add_argument("--out", required=True, help="the .gguf file to write")
+    p.add_argument("--llama_cpp", default=None, help="an HF directory: the llama.cpp source tree whose "
+                                                     "convert_hf_to_gguf.py writes the file")
     p.add_argument("--force", action="store_true", help="replace an existing file")
     return p.parse_args(argv)
 
 
 def run_verifier(args: argparse.Namespace) -> Path:
-    source = target_gguf_for(args.source, ask="spectrain-verifier-gguf re-encodes a GGUF: pass bundled:smollm2 or a "
-                                              ".gguf file (an HF directory: convert it with llama.cpp's "
-                                              "convert_hf_to_gguf.py first)")
-    # bundled:smollm2's directory holds the dequantized Q4_1 weights rounded to bf16 (data/smollm2.py): round the
-    # same way, so that the f32 file is that verifier exactly.
-    through = "bfloat16" if args.source == "bundled:smollm2" else None
-    out = write_verifier_gguf(source, args.out, args.dtype, through=through, force=args.force)
+    if Path(args.source).is_dir():
+        if not args.llama_cpp:
+            raise SpectrainError(f"{args.source} is an HF directory: pass --llama_cpp LLAMA_CPP_TREE (its "
+                                 "convert_hf_to_gguf.py converts the tokenizer; spectrain checks the weights)")
+        source, through = Path(args.source), None
+        out = convert_verifier(source, args.out, args.dtype, args.llama_cpp, force=args.force)
+    else:
+        source = target_gguf_for(args.source, ask="spectrain-verifier-gguf takes bundled:smollm2, a .gguf file or "
+                                                  "an HF directory (with --llama_cpp)")
+        # bundled:smollm2's directory holds the dequantized Q4_1 weights rounded to bf16 (data/smollm2.py): round
+        # the same way, so that the f32 file is that verifier exactly.
+        through = "bfloat16" if args.source == "bundled:smollm2" else None
+        out = write_verifier_gguf(source, args.out, args.dtype, through=through, force=args.force)
     summary = {"source": str(source), "verifier": args.source, "dtype": args.dtype, "rounded_through": through,
-               "path": str(Path(out).resolve()), "bytes": Path(out).stat().st_size}
+               "path": str(Path(out).resolve()), "bytes": Path(out).stat().st_size,
+               "written_by": "convert_hf_to_gguf.py, weights checked" if Path(args.source).is_dir() else "spectrain"}
     table = format_table(["source", "dtype", "file", "MiB"],
                          [[args.source, args.dtype, str(out), f"{summary['bytes'] / 2**20:.1f}"]],
                          title="verifier GGUF for llama.cpp")

@@ -44,6 +44,9 @@ from .io import atomic_path
 ARCH = "eagle3"
 FUSED_LAYERS = 3  # llama.cpp's eagle3 loader and common/speculative.cpp require exactly three
 GGUF_DTYPES = ("float32", "float16", "bfloat16")
+# A draft may also be Q8_0 (quantized here, with gguf's own Q8_0 code: what llama-quantize writes for Q8_0)
+DRAFT_GGUF_DTYPES = (*GGUF_DTYPES, "q8_0")
+Q8_0_BLOCK = 32
 
 
 def _gguf():
@@ -56,15 +59,20 @@ def _gguf():
 
 # -- what llama.cpp takes -----------------------------------------------------------------------------------
 def check_gguf_exportable(drafter) -> None:
-    """Raise, naming the reason, unless llama.cpp's ``draft-eagle3`` can serve ``drafter`` exactly as trained."""
+    """Raise, naming the reason, unless llama.cpp (``draft-eagle3``, ``draft-dflash`` / ``draft-dspark``) can serve
+    ``drafter`` exactly as trained."""
+    from .dflash import DFlashDrafter
     from .eagle import EagleDrafter  # heads/eagle imports heads/formats, which may import this module
 
+    if isinstance(drafter, DFlashDrafter):
+        from .dflash_gguf import check_dflash_exportable
+
+        return check_dflash_exportable(drafter)
     if not isinstance(drafter, EagleDrafter):
         method = getattr(getattr(drafter, "config", None), "method", type(drafter).__name__)
         raise SpectrainError(
-            f"--format gguf writes EAGLE-3 drafters for llama.cpp's --spec-type draft-eagle3; this drafter is "
-            f"{method}: llama.cpp has no loader for Medusa or EAGLE-1 drafts, and its DFlash / DSpark loader "
-            "(Qwen3-layer drafts, conversion/qwen.py) is not written by spectrain yet")
+            f"--format gguf writes EAGLE-3, DFlash and DSpark drafters for llama.cpp; this drafter is {method}: "
+            "llama.cpp has no loader for Medusa or EAGLE-1 drafts")
     c = drafter.config
     if c.variant != "eagle3":
         raise SpectrainError("--format gguf: this is an EAGLE-1 drafter; llama.cpp serves EAGLE-3 drafts only "
@@ -239,12 +247,12 @@ def eagle3_gguf_metadata(drafter) -> dict[str, tuple[str, object]]:
     }
 
 
-_FILE_TYPES = {"float32": 0, "float16": 1, "bfloat16": 32}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_BF16
+_FILE_TYPES = {"float32": 0, "float16": 1, "bfloat16": 32, "q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, ...
 
 
-def _check_dtype(dtype: str) -> str:
-    if dtype not in GGUF_DTYPES:
-        raise SpectrainError(f"GGUF dtype must be one of {', '.join(GGUF_DTYPES)}, got {dtype!r}")
+def _check_dtype(dtype: str, allowed: tuple[str, ...] = GGUF_DTYPES) -> str:
+    if dtype not in allowed:
+        raise SpectrainError(f"GGUF dtype must be one of {', '.join(allowed)}, got {dtype!r}")
     return dtype
 
 
@@ -254,7 +262,10 @@ def _encode(gguf, array: np.ndarray, dtype: str):
         return array.astype(np.float32), None
     if dtype == "float16":
         return array.astype(np.float16), None
-    return gguf.quants.quantize(array.astype(np.float32), gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    kind = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.BF16
+    if dtype == "q8_0" and array.shape[-1] % Q8_0_BLOCK:
+        raise SpectrainError(f"Q8_0 needs rows that are a multiple of {Q8_0_BLOCK} wide; a {array.shape} tensor is not")
+    return gguf.quants.quantize(array.astype(np.float32), kind), kind
 
 
 def write_eagle3_gguf(drafter, out_path: str | Path, target_gguf: str | Path, dtype: str = "float32",
@@ -262,12 +273,12 @@ def write_eagle3_gguf(drafter, out_path: str | Path, target_gguf: str | Path, dt
     """Write ``drafter`` (an EAGLE-3 :class:`~.eagle.EagleDrafter`) as a llama.cpp ``eagle3`` GGUF.
 
     ``target_gguf`` is the verifier GGUF it will be served beside: its tokenizer is copied and its layer count,
-    width and vocabulary are checked against the drafter's. Matrices are written in ``dtype`` (norms in f32,
-    ``d2t`` I64). The file appears only after it was read back and validated; an existing one is kept unless
+    width and vocabulary are checked against the drafter's. Matrices are written in ``dtype`` (float32, float16,
+    bfloat16 or q8_0; norms in f32, ``d2t`` I64). The file appears only after it was read back and validated; an existing one is kept unless
     ``force``.
     """
     gguf = _gguf()
-    dtype = _check_dtype(dtype)
+    dtype = _check_dtype(dtype, DRAFT_GGUF_DTYPES)
     if Path(out_path).exists() and not force:  # before the work, as write_gguf would after it
         raise SpectrainError(f"{out_path} already exists; pass --force to overwrite it")
     tensors = eagle3_gguf_tensors(drafter)
@@ -291,7 +302,7 @@ def write_eagle3_gguf(drafter, out_path: str | Path, target_gguf: str | Path, dt
                 writer.add_tensor(tname, t.numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
                 continue
             data, raw = _encode(gguf, t.numpy(), dtype)
-            writer.add_tensor(tname, data, raw_dtype=raw)  # bf16 comes as bytes: gguf derives the shape
+            writer.add_tensor(tname, data, raw_dtype=raw)  # bf16 / Q8_0 come as bytes: gguf derives the shape
 
     return write_gguf(out_path, ARCH, fill, lambda tmp: validate_eagle3_gguf(tmp, target_gguf), force=True)
 
@@ -456,3 +467,117 @@ def write_verifier_gguf(source_gguf: str | Path, out_path: str | Path, dtype: st
     if "general.architecture" not in meta:
         raise SpectrainError(f"{source_gguf} has no general.architecture: not a model GGUF")
     return write_gguf(out_path, meta["general.architecture"].value, fill, check, force=force)
+
+
+# -- the verifier, from an HF directory through llama.cpp's converter ----------------------------------------
+_HF_LAYER_NAMES = {  # HF decoder-layer keys -> llama.cpp's blk.N names (llama / mistral / qwen2 / qwen3 bodies)
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+# Architectures whose converter reorders q / k rows for llama.cpp's pairwise RoPE (LlamaModel.permute); Qwen's
+# keep HF's order (llama.cpp runs them with NeoX RoPE).
+_PERMUTED_ARCHS = ("llama", "mistral")
+# Tensors the converter computes rather than copies (llama-3 RoPE scaling): not the verifier's weights.
+_GENERATED = ("rope_freqs.weight",)
+
+
+def hf_gguf_name(name: str) -> str | None:
+    """llama.cpp's name for an HF Llama / Qwen-family tensor, or None when it has none here."""
+    if name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[name]
+    parts = name.split(".", 3)  # model.layers.N.rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _HF_LAYER_NAMES:
+        return f"blk.{parts[2]}.{_HF_LAYER_NAMES[parts[3]]}"
+    return None
+
+
+def _hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise SpectrainError(f"{hf_dir} holds no *.safetensors weights (spectrain reads weights only from "
+                             "safetensors)")
+    out = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def check_same_weights(hf_dir: str | Path, gguf_path: str | Path) -> int:
+    """Raise unless every weight of the GGUF equals the HF directory's, tensor by tensor, rounded to the type the
+    GGUF stores it in (q / k rows in llama.cpp's order where the converter reorders them); returns how many."""
+    gguf = _gguf()
+    meta = read_metadata(gguf_path)
+    arch = meta["general.architecture"].value
+    heads = meta.get(f"{arch}.attention.head_count")
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv") or heads
+    stored = {t.name: t for t in _reader(gguf_path).tensors}
+    problems, checked = [], 0
+    for name, w in _hf_tensors(Path(hf_dir)).items():
+        gname = hf_gguf_name(name)
+        if gname is None:
+            problems.append(f"{name}: no llama.cpp name known to spectrain")
+            continue
+        if gname not in stored:
+            if gname == "output.weight" and "token_embd.weight" in stored:
+                continue  # tied: llama.cpp reads the embedding
+            problems.append(f"{name}: not in the GGUF ({gname})")
+            continue
+        w = w.float()
+        if arch in _PERMUTED_ARCHS and heads is not None and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _permute(w, (heads if "attn_q" in gname else kv_heads).value)
+        t = stored.pop(gname)
+        have = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
+        kind = t.tensor_type.name
+        want = {"F32": w, "F16": w.half().float(), "BF16": w.bfloat16().float()}.get(kind)
+        if want is None:
+            problems.append(f"{gname} is {kind}: only f32 / f16 / bf16 files are the same weights")
+        elif not np.array_equal(np.asarray(have, dtype=np.float32), want.numpy()):
+            problems.append(f"{gname} differs from {name} (max |diff| "
+                            f"{float(np.abs(np.asarray(have, dtype=np.float32) - want.numpy()).max()):.3g})")
+        checked += 1
+    left = sorted(set(stored) - set(_GENERATED))
+    if left:
+        problems.append(f"tensors with no HF source: {left}")
+    if problems:
+        raise SpectrainError(f"{gguf_path} does not hold {hf_dir}'s weights: " + "; ".join(problems[:8]))
+    return checked
+
+
+def convert_verifier(hf_dir: str | Path, out_path: str | Path, dtype: str, llama_cpp: str | Path,
+                     force: bool = False, timeout: float = 3600.0) -> Path:
+    """An HF verifier directory as a llama.cpp GGUF at f32 / f16 / bf16, written by llama.cpp's own
+    ``convert_hf_to_gguf.py`` (which owns the tokenizer's conversion) and renamed into place only after
+    :func:`check_same_weights` found every tensor equal to the directory's: the file serves the weights trained on."""
+    import os
+    import subprocess
+    import sys
+
+    dtype = _check_dtype(dtype)
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    script = Path(llama_cpp) / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise SpectrainError(f"{script} not found: --llama_cpp names a llama.cpp source tree (docs/export.md)")
+    if not (hf_dir / "config.json").is_file():
+        raise SpectrainError(f"{hf_dir} is not an HF model directory (no config.json)")
+    if out_path.exists() and not force:
+        raise SpectrainError(f"{out_path} already exists; pass --force to overwrite it")
+    outtype = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[dtype]
+    with atomic_path(out_path) as tmp:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
+            [str(Path(llama_cpp) / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile", str(tmp)],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        if proc.returncode:
+            raise SpectrainError(f"convert_hf_to_gguf.py failed on {hf_dir}: {proc.stderr[-800:]}")
+        check_same_weights(hf_dir, tmp)
+    return out_path

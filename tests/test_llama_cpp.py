@@ -131,13 +131,25 @@ def test_permuted_rows_give_llama_cpps_pairwise_rope_the_same_scores(verifier):
     assert not torch.allclose(unpermuted, q_hf @ k_hf.transpose(-1, -2), atol=1e-3)
 
 
-@pytest.mark.parametrize("dtype,kind", [("float16", "F16"), ("bfloat16", "BF16")])
+@pytest.mark.parametrize("dtype,kind", [("float16", "F16"), ("bfloat16", "BF16"), ("q8_0", "Q8_0")])
 def test_half_precision_matrices_and_f32_norms(tmp_path, verifier, dtype, kind):
     drafter = eagle3(verifier)
     path = llama_cpp.write_eagle3_gguf(drafter, tmp_path / "d.gguf", tiny_target_gguf(tmp_path / "t.gguf"), dtype=dtype)
     t = llama_cpp.gguf_tensors(path)
     assert t["fc.weight"][1] == kind and t["blk.0.attn_norm.weight"][1] == "F32" and t["d2t"][1] == "I64"
-    assert llama_cpp.read_metadata(path)["general.file_type"].value == {"float16": 1, "bfloat16": 32}[dtype]
+    assert llama_cpp.read_metadata(path)["general.file_type"].value == {"float16": 1, "bfloat16": 32, "q8_0": 7}[dtype]
+    stored = gguf.quants.dequantize(t["fc.weight"][2], gguf.GGMLQuantizationType[kind]).reshape(t["fc.weight"][0])
+    exact = drafter.fc.weight.detach().float().numpy()
+    step = {"F16": 1e-3, "BF16": 8e-3, "Q8_0": 1 / 127}[kind]  # relative: half an f16 / bf16 ulp, a Q8_0 step
+    assert 0 < np.abs(stored - exact).max() <= step * np.abs(exact).max()  # rounded, within one step
+
+
+def test_q8_0_is_for_gguf_only(tmp_path, verifier, capsys):
+    with pytest.raises(SystemExit) as e:
+        export_main([str(tmp_path / "missing"), "--format", "eagle3", "--dtype", "q8_0"])
+    assert e.value.code == 2 and "--format gguf only" in capsys.readouterr().err
+    with pytest.raises(SpectrainError, match="GGUF dtype must be one of"):
+        llama_cpp.write_verifier_gguf(tiny_target_gguf(tmp_path / "t.gguf"), tmp_path / "v.gguf", "q8_0")
 
 
 def test_what_llama_cpp_cannot_serve_is_refused_with_the_reason(tmp_path, verifier):
@@ -237,6 +249,124 @@ def test_verifier_gguf_is_dequantized_and_keeps_its_metadata(tmp_path, capsys):
     assert summary["dtype"] == "float16" and llama_cpp.gguf_tensors(tmp_path / "f16.gguf")["blk.0.ffn_up.weight"][1] == "F16"
 
 
+def dflash(verifier, **kw):
+    from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DFlashConfig.for_verifier(verifier, num_layers=2, block_size=4, mask_token_id=3,
+                                                      target_layer_ids=[1, 3], verifier_name="v", **kw))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_()
+    return drafter
+
+
+def test_dflash_gguf_holds_every_weight_unpermuted(tmp_path, verifier):
+    from spectrain.heads import dflash_gguf
+
+    target = tiny_target_gguf(tmp_path / "t.gguf")
+    drafter = dflash(verifier, markov_rank=4, confidence_head=True)
+    path = dflash_gguf.write_dflash_gguf(drafter, tmp_path / "d.gguf", target)
+    t = llama_cpp.gguf_tensors(path)
+    state = drafter.state_dict()
+    assert len(t) == len(state)  # every tensor, nothing else (the target's embeddings and lm_head are borrowed)
+    pairs = {"fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight",
+             "blk.1.attn_q.weight": "layers.1.self_attn.q_proj.weight",  # HF row order: llama.cpp ropes NeoX here
+             "blk.0.attn_k_norm.weight": "layers.0.self_attn.k_norm.weight",
+             "blk.1.ffn_norm.weight": "layers.1.post_attention_layernorm.weight",
+             "markov_w2.weight": "markov_head.markov_w2.weight", "conf_proj.weight": "confidence_head.proj.weight"}
+    for theirs, ours in pairs.items():
+        assert t[theirs][0] == tuple(state[ours].shape)
+        assert np.array_equal(np.array(t[theirs][2]).reshape(t[theirs][0]), state[ours].numpy()), theirs
+    meta = llama_cpp.read_metadata(path)
+    assert meta["general.architecture"].value == "dflash" and list(meta["dflash.target_layers"].value) == [2, 4]
+    assert meta["dflash.block_size"].value == 4 and meta["tokenizer.ggml.mask_token_id"].value == 3
+    assert meta["dflash.has_confidence_head"].value and meta["dflash.sample_from_anchor"].value is False
+    assert meta["tokenizer.ggml.tokens"].value == llama_cpp.read_metadata(target)["tokenizer.ggml.tokens"].value
+
+
+def test_dflash_gguf_refusals_name_the_reason(tmp_path, verifier, capsys):
+    from spectrain.heads import dflash_gguf
+
+    target = tiny_target_gguf(tmp_path / "t.gguf")
+    cases = [(dflash(verifier, confidence_head=True), "--drop_confidence_head"),
+             (dflash(verifier, sample_from_anchor=True), "slot 1")]
+    for drafter, msg in cases:
+        with pytest.raises(SpectrainError, match=msg):
+            dflash_gguf.write_dflash_gguf(drafter, tmp_path / "x.gguf", target)
+    with pytest.raises(SpectrainError, match="6-layer verifier, the target has 4"):
+        dflash_gguf.write_dflash_gguf(dflash(verifier), tmp_path / "x.gguf", tiny_target_gguf(tmp_path / "t4.gguf", 4))
+    qwen2 = tmp_path / "q.gguf"
+    tiny_target_gguf(qwen2)
+    meta = llama_cpp.read_metadata(qwen2)
+    llama_cpp.write_gguf(tmp_path / "qwen2.gguf", "qwen2", lambda w: [
+        llama_cpp._add(w, k.replace("llama.", "qwen2.", 1), v) for k, v in meta.items()
+        if k.startswith(("llama.", "tokenizer."))])
+    with pytest.raises(SpectrainError, match="does not expose layer inputs"):
+        dflash_gguf.check_dflash_target(dflash(verifier), tmp_path / "qwen2.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+    # the CLI: a DFlash run dir exports to GGUF with the serving flags in its notes
+    run = tmp_path / "run"
+    dflash(verifier).save_pretrained(run)
+    export_main([str(run), "--format", "gguf", "--target_gguf", str(target)])
+    out = capsys.readouterr().out
+    assert "--spec-type draft-dflash --spec-draft-n-max 3" in out and (run / "export" / "gguf" / "dflash.gguf").is_file()
+
+
+def converted_like_llama_cpp(model, path: Path, arch: str, permute: bool = True, half: bool = False,
+                             drop: str = "", extra: str = "") -> Path:
+    """A GGUF of an HF model as llama.cpp's converter lays it out (names, q / k rows reordered when ``permute``,
+    matrices f16 when ``half``), optionally with one tensor dropped or one extra."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.attention.head_count", c.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", c.num_key_value_heads)
+    for name, w in model.state_dict().items():
+        gname = llama_cpp.hf_gguf_name(name)
+        if gname is None or gname == drop or (name == "lm_head.weight" and c.tie_word_embeddings):
+            continue
+        w = w.detach().float()
+        if permute and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            w = llama_cpp._permute(w, c.num_attention_heads if "attn_q" in gname else c.num_key_value_heads)
+        writer.add_tensor(gname, w.numpy().astype(np.float16 if half and w.ndim == 2 else np.float32))
+    if extra:
+        writer.add_tensor(extra, np.ones(4, dtype=np.float32))
+    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()  # noqa: E702
+    return path
+
+
+def test_hf_weights_check_catches_each_mistake(tmp_path):
+    llama = make_verifier("llama", True, VOCAB, layers=2)
+    llama.save_pretrained(tmp_path / "llama")
+    n = len([k for k in llama.state_dict() if k != "lm_head.weight"])
+    assert llama_cpp.check_same_weights(tmp_path / "llama", converted_like_llama_cpp(llama, tmp_path / "a.gguf",
+                                                                                       "llama")) == n
+    half = converted_like_llama_cpp(llama, tmp_path / "h.gguf", "llama", half=True)
+    assert llama_cpp.check_same_weights(tmp_path / "llama", half) == n  # compared after rounding to f16
+    for kw, msg in [({"permute": False}, "attn_q.weight differs"), ({"drop": "blk.1.ffn_up.weight"}, "not in the GGUF"),
+                    ({"extra": "blk.9.attn_q.weight"}, "no HF source")]:
+        with pytest.raises(SpectrainError, match=msg):
+            llama_cpp.check_same_weights(tmp_path / "llama", converted_like_llama_cpp(
+                llama, tmp_path / "bad.gguf", "llama", **kw))
+    assert llama_cpp.check_same_weights(tmp_path / "llama", converted_like_llama_cpp(
+        llama, tmp_path / "rope.gguf", "llama", extra="rope_freqs.weight")) == n  # computed by the converter
+    qwen3 = make_verifier("qwen3", False, VOCAB, layers=2)  # Qwen keeps HF's q / k order (NeoX RoPE)
+    qwen3.save_pretrained(tmp_path / "qwen3")
+    assert llama_cpp.check_same_weights(tmp_path / "qwen3", converted_like_llama_cpp(
+        qwen3, tmp_path / "q.gguf", "qwen3", permute=False)) == len(qwen3.state_dict())
+    with pytest.raises(SpectrainError, match="attn_q.weight differs"):
+        llama_cpp.check_same_weights(tmp_path / "qwen3", converted_like_llama_cpp(qwen3, tmp_path / "q2.gguf", "qwen3"))
+
+
+def test_hf_verifier_needs_a_llama_cpp_tree(tmp_path, capsys):
+    make_verifier("llama", True, VOCAB).save_pretrained(tmp_path / "hf")
+    for extra, msg in [([], "pass --llama_cpp"), (["--llama_cpp", str(tmp_path)], "convert_hf_to_gguf.py not found")]:
+        with pytest.raises(SystemExit) as e:
+            verifier_main([str(tmp_path / "hf"), "--out", str(tmp_path / "v.gguf"), *extra])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "v.gguf").exists()
+
+
 # -- the benchmarks' pieces ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def check():
@@ -330,6 +460,66 @@ def test_speed_summary_pools_each_repeat_against_plain():
     assert s["fast"]["win"] and not s["plain"]["win"]
 
 
+def test_draft_modes_parse_and_name_their_settings():
+    speed = load_script("llama_cpp_speed")
+    m = speed.parse_draft_mode("k4:q8_0:p0.6:t1")
+    assert (m.k, m.dtype, m.p_min, m.threads, m.name) == (4, "q8_0", 0.6, 1, "eagle3-k4-q8_0-p0.6-t1")
+    assert speed.parse_draft_mode("3").name == "eagle3-k3" and speed.parse_draft_mode("k1:f16").name == "eagle3-k1-f16"
+    for bad in ("", "kx", "k1:q4", "k0", "k2:p1.5", "k1:t0"):
+        with pytest.raises(SpectrainError, match="draft mode"):
+            speed.parse_draft_mode(bad)
+    args = speed.parse_args(["--drafter", "d", "--prompts", "p", "--draft_lengths", "1,2",
+                             "--draft_modes", "k1:q8_0, k2 k1:q8_0"])
+    assert [m.name for m in speed.draft_modes(args)] == ["eagle3-k1", "eagle3-k2", "eagle3-k1-q8_0"]
+    flags = speed.modes(args, {"f32": Path("a.gguf"), "q8_0": Path("b.gguf")})
+    assert flags["eagle3-k1-q8_0"][:2] == ["-md", "b.gguf"] and "--spec-draft-n-max" in flags["eagle3-k2"]
+
+
+STATS = ("0.27.852 I spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =    1    {g}    {g}, #gen drafts = "
+         "{g}, #acc drafts = 13, #gen tokens = 446, #acc tokens = 13, #mean acc len = 1.12, #acc rate/pos = (0.115), "
+         "dur(b,g,a) = 0.005, {ms}, 0.212 ms")
+
+
+def test_draft_timer_is_read_from_the_log_without_the_warm_up():
+    server = load_script("llama_cpp_server")
+    log = "\n".join(["noise", STATS.format(g=3, ms="30.000"), "slot print_timing", STATS.format(g=13, ms="52.500"),
+                     STATS.format(g=23, ms="90.000")])
+    assert [x["calls_draft"] for x in server.spec_statistics(log)] == [3, 13, 23]
+    assert server.draft_time(log) == {"impl": "draft-eagle3", "calls": 20, "draft_ms": 60.0, "accept_ms": 0.0}
+    assert server.draft_time("no statistics here") is None and server.draft_time(STATS.format(g=3, ms="1.0")) is None
+    speed = load_script("llama_cpp_speed")
+    split = speed.round_split({"rounds_all_repeats": 20, "ms_per_round_pooled": 10.0},
+                              server.draft_time(log))
+    assert split["draft_ms_per_round"] == pytest.approx(3.0) and split["rest_ms_per_round"] == pytest.approx(7.0)
+    assert speed.round_split({"rounds_all_repeats": 20, "ms_per_round_pooled": 10.0}, None) == {}
+
+
+def test_round_costs_against_plain_by_hand(tmp_path, capsys):
+    speed = load_script("llama_cpp_speed")
+    modes = {"plain": {"ms_per_round_pooled": 10.0},
+             "eagle3-k1": {"ms_per_round_pooled": 16.0, "draft_ms_per_round": 1.5},
+             "eagle3-k3-q8_0": {"ms_per_round_pooled": 24.0, "draft_ms_per_round": 2.0},
+             "eagle3-k4-p0.5": {"ms_per_round_pooled": 20.0, "draft_ms_per_round": 2.0},  # variable length: left out
+             "ngram-map-k": {"ms_per_round_pooled": 10.5, "draft_ms_per_round": 0.1}}
+    costs = {"forward_ms": {"1": 7.0, "2": 11.0}}
+    rows = speed.round_costs(modes, costs)
+    assert set(rows) == {"eagle3-k1", "eagle3-k3-q8_0"}
+    assert rows["eagle3-k1"] == {"k": 1, "ms_per_round": 16.0, "plain_ms_per_token": 10.0, "break_even_tau": 1.6,
+                                 "ceiling_speedup": 1.25, "draft_ms": 1.5, "verify_ms_llama_bench": 11.0,
+                                 "other_ms": 3.5}
+    assert rows["eagle3-k3-q8_0"]["ceiling_speedup"] == pytest.approx(40 / 24)
+    assert rows["eagle3-k3-q8_0"]["other_ms"] is None  # no 4-token forward timed
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"targets": {"q4_1": {"modes": modes, "forward_costs": costs}}}))
+    load_script("llama_cpp_speed").main(["--resummarize", str(result)])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(result.resolve())
+    assert json.loads(result.read_text())["targets"]["q4_1"]["round_costs"]["eagle3-k1"]["other_ms"] == 3.5
+    result.write_text(json.dumps({"targets": {"q4_1": {"modes": modes}}}))
+    with pytest.raises(SystemExit) as e:
+        speed.main(["--resummarize", str(result)])
+    assert e.value.code == 2 and "forward costs" in capsys.readouterr().err
+
+
 LLAMA_CPP = os.environ.get("SPECTRAIN_LLAMA_CPP")  # a llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)
 
 
@@ -362,6 +552,65 @@ def test_same_file_as_llama_cpps_converter(tmp_path):
     tok_b = {k for k in mb if k.startswith("tokenizer.")}
     assert tok_a - tok_b == {"tokenizer.ggml.add_space_prefix"} and tok_b <= tok_a
     assert all(ma[k].value == mb[k].value for k in tok_b)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not LLAMA_CPP, reason="set SPECTRAIN_LLAMA_CPP to a llama.cpp source tree to compare with its "
+                                          "converter")
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_same_dflash_file_as_llama_cpps_converter(tmp_path, kind):
+    """Our dflash GGUF against convert_hf_to_gguf.py's from our speculators export (a DFlash relabeled
+    DSparkSpeculator, the name llama.cpp's converter takes for this layout; a DSpark as exported): every tensor bit
+    for bit, every dflash.* key and the mask token."""
+    from spectrain.data.smollm2 import ensure_smollm2
+    from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
+    from spectrain.heads.dflash_gguf import write_dflash_gguf
+    from spectrain.heads.formats import export_drafter
+    from spectrain.heads.verifier import load_verifier, smollm2_gguf
+
+    hf = ensure_smollm2()
+    verifier = load_verifier(str(hf), dtype="float32").model
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DFlashConfig.for_verifier(verifier, num_layers=1, block_size=4, mask_token_id=3,
+                                                      markov_rank=32 if kind == "dspark" else 0,
+                                                      confidence_head=kind == "dspark", verifier_name="v"))
+    with torch.no_grad():
+        for w in drafter.parameters():
+            w.normal_(0, 0.02)
+    ours = write_dflash_gguf(drafter, tmp_path / "ours.gguf", smollm2_gguf())
+    export = tmp_path / "export"
+    export_drafter(drafter, f"speculators-{kind}", export)
+    if kind == "dflash":
+        config = json.loads((export / "config.json").read_text())
+        config["architectures"] = ["DSparkSpeculator"]  # DFlashSpeculator is not a name the converter registers
+        (export / "config.json").write_text(json.dumps(config))
+    theirs = tmp_path / "theirs.gguf"
+    subprocess.run([sys.executable, str(Path(LLAMA_CPP) / "convert_hf_to_gguf.py"), str(export), "--target-model-dir",
+                    str(hf), "--outtype", "f32", "--outfile", str(theirs)], check=True, capture_output=True)
+    a, b = llama_cpp.gguf_tensors(ours), llama_cpp.gguf_tensors(theirs)
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name][:2] == b[name][:2], name
+        assert np.array_equal(np.array(a[name][2]), np.array(b[name][2])), name
+    ma, mb = llama_cpp.read_metadata(ours), llama_cpp.read_metadata(theirs)
+    keys = {k for k in set(ma) | set(mb) if k.startswith("dflash.")} | {"tokenizer.ggml.mask_token_id"}
+    assert {k: ma[k].value for k in keys if k in ma} == {k: mb[k].value for k in keys if k in mb}
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not LLAMA_CPP, reason="set SPECTRAIN_LLAMA_CPP to a llama.cpp source tree to convert with its "
+                                          "converter")
+def test_hf_verifier_through_llama_cpps_converter_holds_its_weights(tmp_path, capsys):
+    """spectrain-verifier-gguf on an HF directory (the bundled verifier's): llama.cpp's converter writes it, and
+    every tensor equals the directory's (checked before the rename); an f16 file equals them rounded to f16."""
+    from spectrain.data.smollm2 import ensure_smollm2
+
+    hf = ensure_smollm2()
+    for dtype in ("float32", "float16"):
+        verifier_main([str(hf), "--llama_cpp", LLAMA_CPP, "--dtype", dtype, "--out", str(tmp_path / f"{dtype}.gguf")])
+        summary = json.loads(Path(capsys.readouterr().out.strip().splitlines()[-1]).read_text())
+        assert summary["written_by"].startswith("convert_hf_to_gguf.py")
+        assert llama_cpp.check_same_weights(hf, tmp_path / f"{dtype}.gguf") > 200
 
 
 @pytest.mark.integration
