@@ -24,8 +24,8 @@ import torch
 
 from .dflash import DFlashDrafter
 from .errors import SpectrainError
-from .llama_cpp import (DRAFT_GGUF_DTYPES, _FILE_TYPES, GGUFValue, _add, _check_dtype, _encode, _gguf, gguf_tensors,
-                        read_metadata, target_shape, tokenizer_metadata, write_gguf)
+from .llama_cpp import (DRAFT_GGUF_DTYPES, GGUFValue, _check_dtype, _encode, _gguf, gguf_tensors, read_metadata,
+                        target_shape, tokenizer_metadata, write_draft_keys, write_gguf)
 
 ARCH = "dflash"
 # Target architectures whose llama.cpp graph exposes each layer's input (t_layer_inp), which draft-dflash
@@ -214,19 +214,13 @@ def write_dflash_gguf(drafter: DFlashDrafter, out_path: str | Path, target_gguf:
     check_dflash_target(drafter, target_gguf)
     tokenizer = tokenizer_metadata(target_gguf)
 
+    # the target's own mask token, if it has one, gives way to ours: it fills the block's draft slots
+    tokenizer = {k: v for k, v in tokenizer.items() if k != "tokenizer.ggml.mask_token_id"}
+
     def fill(writer) -> None:
-        writer.add_type("model")
-        writer.add_name(name or f"spectrain {drafter.config.method} for {drafter.config.verifier or 'its verifier'}")
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        writer.add_file_type(_FILE_TYPES[dtype])
-        for key, (vtype, value) in dflash_gguf_metadata(drafter).items():
-            if vtype == "ARRAY_INT32":
-                writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
-            else:
-                writer.add_key_value(key, value, getattr(gguf.GGUFValueType, vtype))
-        for key, value in tokenizer.items():
-            if key != "tokenizer.ggml.mask_token_id":  # the target's own, if it has one: ours fills the block
-                _add(writer, key, value)
+        write_draft_keys(writer, name or f"spectrain {drafter.config.method} for "
+                                         f"{drafter.config.verifier or 'its verifier'}",
+                         dtype, dflash_gguf_metadata(drafter), tokenizer)
         writer.add_mask_token_id(drafter.config.mask_token_id)
         for tname, t in tensors.items():
             data, raw = _encode(gguf, t.numpy(), dtype)

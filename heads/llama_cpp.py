@@ -268,6 +268,24 @@ def _encode(gguf, array: np.ndarray, dtype: str):
     return gguf.quants.quantize(array.astype(np.float32), kind), kind
 
 
+def write_draft_keys(writer, name: str, dtype: str, metadata: dict[str, tuple[str, object]],
+                     tokenizer: dict[str, GGUFValue]) -> None:
+    """A draft GGUF's keys: its description, file type, ``metadata`` ((value type name, value) per key, as
+    :func:`eagle3_gguf_metadata` gives them) and the target's ``tokenizer`` keys."""
+    gguf = _gguf()
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_file_type(_FILE_TYPES[dtype])
+    for key, (vtype, value) in metadata.items():
+        if vtype == "ARRAY_INT32":
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+        else:
+            writer.add_key_value(key, value, getattr(gguf.GGUFValueType, vtype))
+    for key, value in tokenizer.items():
+        _add(writer, key, value)
+
+
 def write_eagle3_gguf(drafter, out_path: str | Path, target_gguf: str | Path, dtype: str = "float32",
                       name: str = "", force: bool = False) -> Path:
     """Write ``drafter`` (an EAGLE-3 :class:`~.eagle.EagleDrafter`) as a llama.cpp ``eagle3`` GGUF.
@@ -286,17 +304,8 @@ def write_eagle3_gguf(drafter, out_path: str | Path, target_gguf: str | Path, dt
     check_target(drafter.config, target_shape(target_gguf), target_gguf)
 
     def fill(writer) -> None:
-        writer.add_type("model")
-        writer.add_name(name or f"spectrain EAGLE-3 for {drafter.config.verifier or 'its verifier'}")
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        writer.add_file_type(_FILE_TYPES[dtype])
-        for key, (vtype, value) in eagle3_gguf_metadata(drafter).items():
-            if vtype == "ARRAY_INT32":
-                writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
-            else:
-                writer.add_key_value(key, value, getattr(gguf.GGUFValueType, vtype))
-        for key, value in tokenizer.items():
-            _add(writer, key, value)
+        write_draft_keys(writer, name or f"spectrain EAGLE-3 for {drafter.config.verifier or 'its verifier'}", dtype,
+                         eagle3_gguf_metadata(drafter), tokenizer)
         for tname, t in tensors.items():
             if tname == "d2t":
                 writer.add_tensor(tname, t.numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)

@@ -523,6 +523,15 @@ def test_round_costs_against_plain_by_hand(tmp_path, capsys):
 LLAMA_CPP = os.environ.get("SPECTRAIN_LLAMA_CPP")  # a llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)
 
 
+def assert_same_tensors(ours: Path, theirs: Path) -> None:
+    """The same tensor names, shapes, types and bytes in two GGUF files."""
+    a, b = llama_cpp.gguf_tensors(ours), llama_cpp.gguf_tensors(theirs)
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name][:2] == b[name][:2], name
+        assert np.array_equal(np.array(a[name][2]), np.array(b[name][2])), name
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(not LLAMA_CPP, reason="set SPECTRAIN_LLAMA_CPP to a llama.cpp source tree to compare with its "
                                           "converter")
@@ -540,11 +549,7 @@ def test_same_file_as_llama_cpps_converter(tmp_path):
     subprocess.run([sys.executable, str(Path(LLAMA_CPP) / "convert_hf_to_gguf.py"), str(shipped), "--target-model-dir",
                     str(ensure_smollm2()), "--outtype", "f32", "--outfile", str(theirs)], check=True,
                    capture_output=True)
-    a, b = llama_cpp.gguf_tensors(ours), llama_cpp.gguf_tensors(theirs)
-    assert set(a) == set(b)
-    for name in a:
-        assert a[name][:2] == b[name][:2], name
-        assert np.array_equal(np.array(a[name][2]), np.array(b[name][2])), name
+    assert_same_tensors(ours, theirs)
     ma, mb = llama_cpp.read_metadata(ours), llama_cpp.read_metadata(theirs)
     keys = {k for k in set(ma) | set(mb) if not k.startswith(("general.", "GGUF.", "tokenizer."))}
     assert {k: ma[k].value for k in keys} == {k: mb.get(k, ma[k]).value for k in keys} and keys <= set(mb)
@@ -587,11 +592,7 @@ def test_same_dflash_file_as_llama_cpps_converter(tmp_path, kind):
     theirs = tmp_path / "theirs.gguf"
     subprocess.run([sys.executable, str(Path(LLAMA_CPP) / "convert_hf_to_gguf.py"), str(export), "--target-model-dir",
                     str(hf), "--outtype", "f32", "--outfile", str(theirs)], check=True, capture_output=True)
-    a, b = llama_cpp.gguf_tensors(ours), llama_cpp.gguf_tensors(theirs)
-    assert set(a) == set(b)
-    for name in a:
-        assert a[name][:2] == b[name][:2], name
-        assert np.array_equal(np.array(a[name][2]), np.array(b[name][2])), name
+    assert_same_tensors(ours, theirs)
     ma, mb = llama_cpp.read_metadata(ours), llama_cpp.read_metadata(theirs)
     keys = {k for k in set(ma) | set(mb) if k.startswith("dflash.")} | {"tokenizer.ggml.mask_token_id"}
     assert {k: ma[k].value for k in keys if k in ma} == {k: mb[k].value for k in keys if k in mb}
