@@ -303,21 +303,23 @@ def round_split(mode: dict, drafting: dict | None) -> dict:
                 None if per_round is None else mode["ms_per_round_pooled"] - per_round}
 
 
-def round_costs(modes: dict[str, dict], costs: dict) -> dict[str, dict]:
+def round_costs(modes: dict[str, dict], costs: dict, p_min: float = 0.0) -> dict[str, dict]:
     """Per draft mode of fixed length (no p-min): its round against plain decoding, from measured numbers only.
 
     ``break_even_tau`` = ms per round / plain's ms per token (the τ a round needs to cost no more than plain
     decoding of as many tokens); ``ceiling_speedup`` = (k + 1) × plain's ms per token / ms per round (every draft
     accepted, at this round cost); the round's split: llama.cpp's draft timer, the target's forward over k + 1
     tokens (``llama-bench``, ``costs``), and the rest (the draft's feature encoding and KV catch-up, which run
-    outside llama.cpp's draft timer, and the server's own work per round)."""
+    outside llama.cpp's draft timer, the server's own work per round, and attention at the context's depth,
+    which ``llama-bench -p`` times at depth 0). ``p_min``: the run's ``--p_min`` (modes drafting under one are
+    left out, as are those with their own)."""
     plain = modes["plain"]["ms_per_round_pooled"]
     out = {}
     for name, m in modes.items():
         if not name.startswith("eagle3-") or m.get("draft_ms_per_round") is None:
             continue
         mode = parse_draft_mode(name[len("eagle3-"):].replace("-", ":"))
-        if mode.p_min:  # drafts stop early: rounds of several lengths
+        if (p_min if mode.p_min is None else mode.p_min):  # drafts stop early: rounds of several lengths
             continue
         verify = costs["forward_ms"].get(str(mode.k + 1))
         ms = m["ms_per_round_pooled"]
@@ -346,7 +348,9 @@ def resummarize(path: str) -> Path:
     tables = []
     try:
         for name, target in record["targets"].items():
-            target["round_costs"] = round_costs(target["modes"], target["forward_costs"])
+            words = shlex.split(record.get("command", ""))  # the run's --p_min, as it recorded its command
+            p_min = float(words[words.index("--p_min") + 1]) if "--p_min" in words else 0.0
+            target["round_costs"] = round_costs(target["modes"], target["forward_costs"], p_min)
             tables.append(round_cost_table(name, target["round_costs"]))
     except KeyError as err:
         raise SpectrainError(f"{path} lacks {err}: not a llama_cpp_speed.py result with forward costs") from None
@@ -472,7 +476,7 @@ def run(args, command: str = "") -> Path:
         costs = forward_costs(find_binary("llama-bench", args.llama_cpp), tpath, args.threads,
                               sorted({1, 2, *(m.k + 1 for m in draft_modes(args))}))
         results[tname] = {"gguf": str(tpath), "modes": summary, "forward_costs": costs,
-                          "round_costs": round_costs(summary, costs), "commands": {
+                          "round_costs": round_costs(summary, costs, args.p_min), "commands": {
             m: [str(server), "-m", str(tpath), *common, *flags] for m, flags in mode_flags.items()},
             "raw": {m: [[{"timings": r["timings"], "generated": len(r["tokens"])} for r in rep] for rep in reps]
                     for m, reps in runs.items()}}

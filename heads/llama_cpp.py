@@ -524,9 +524,15 @@ def _hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 def check_same_weights(hf_dir: str | Path, gguf_path: str | Path) -> int:
     """Raise unless every weight of the GGUF equals the HF directory's, tensor by tensor, rounded to the type the
     GGUF stores it in (q / k rows in llama.cpp's order where the converter reorders them); returns how many."""
+    import json
+
     gguf = _gguf()
     meta = read_metadata(gguf_path)
+    if "general.architecture" not in meta:
+        raise SpectrainError(f"{gguf_path} has no general.architecture: not a model GGUF")
     arch = meta["general.architecture"].value
+    config = Path(hf_dir) / "config.json"
+    tied = config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
     heads = meta.get(f"{arch}.attention.head_count")
     kv_heads = meta.get(f"{arch}.attention.head_count_kv") or heads
     stored = {t.name: t for t in _reader(gguf_path).tensors}
@@ -537,7 +543,7 @@ def check_same_weights(hf_dir: str | Path, gguf_path: str | Path) -> int:
             problems.append(f"{name}: no llama.cpp name known to spectrain")
             continue
         if gname not in stored:
-            if gname == "output.weight" and "token_embd.weight" in stored:
+            if gname == "output.weight" and "token_embd.weight" in stored and tied:
                 continue  # tied: llama.cpp reads the embedding
             problems.append(f"{name}: not in the GGUF ({gname})")
             continue
@@ -545,7 +551,11 @@ def check_same_weights(hf_dir: str | Path, gguf_path: str | Path) -> int:
         if arch in _PERMUTED_ARCHS and heads is not None and gname.endswith(("attn_q.weight", "attn_k.weight")):
             w = _permute(w, (heads if "attn_q" in gname else kv_heads).value)
         t = stored.pop(gname)
-        have = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
+        have = gguf.quants.dequantize(t.data, t.tensor_type)
+        if have.size != w.numel():
+            problems.append(f"{gname} holds {have.size} values, {name} {w.numel()}")
+            continue
+        have = have.reshape(w.shape)
         kind = t.tensor_type.name
         want = {"F32": w, "F16": w.half().float(), "BF16": w.bfloat16().float()}.get(kind)
         if want is None:
@@ -584,8 +594,11 @@ def convert_verifier(hf_dir: str | Path, out_path: str | Path, dtype: str, llama
     with atomic_path(out_path) as tmp:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
             [str(Path(llama_cpp) / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile", str(tmp)],
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        try:
+            proc = subprocess.run([sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile",
+                                   str(tmp)], capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            raise SpectrainError(f"convert_hf_to_gguf.py did not finish on {hf_dir} within {timeout:.0f}s") from None
         if proc.returncode:
             raise SpectrainError(f"convert_hf_to_gguf.py failed on {hf_dir}: {proc.stderr[-800:]}")
         check_same_weights(hf_dir, tmp)

@@ -350,12 +350,31 @@ def test_hf_weights_check_catches_each_mistake(tmp_path):
                 llama, tmp_path / "bad.gguf", "llama", **kw))
     assert llama_cpp.check_same_weights(tmp_path / "llama", converted_like_llama_cpp(
         llama, tmp_path / "rope.gguf", "llama", extra="rope_freqs.weight")) == n  # computed by the converter
+    untied = make_verifier("llama", False, VOCAB, layers=2)  # its own lm_head: a file without output.weight fails
+    untied.save_pretrained(tmp_path / "untied")
+    with pytest.raises(SpectrainError, match="lm_head.weight: not in the GGUF"):
+        llama_cpp.check_same_weights(tmp_path / "untied", converted_like_llama_cpp(
+            untied, tmp_path / "u.gguf", "llama", drop="output.weight"))
     qwen3 = make_verifier("qwen3", False, VOCAB, layers=2)  # Qwen keeps HF's q / k order (NeoX RoPE)
     qwen3.save_pretrained(tmp_path / "qwen3")
     assert llama_cpp.check_same_weights(tmp_path / "qwen3", converted_like_llama_cpp(
         qwen3, tmp_path / "q.gguf", "qwen3", permute=False)) == len(qwen3.state_dict())
     with pytest.raises(SpectrainError, match="attn_q.weight differs"):
         llama_cpp.check_same_weights(tmp_path / "qwen3", converted_like_llama_cpp(qwen3, tmp_path / "q2.gguf", "qwen3"))
+
+
+def test_a_converter_writing_other_weights_leaves_no_file(tmp_path):
+    """convert_verifier with a stand-in convert_hf_to_gguf.py that writes a wrong q: refused, nothing left."""
+    model = make_verifier("llama", True, VOCAB, layers=2)
+    model.save_pretrained(tmp_path / "hf")
+    wrong = converted_like_llama_cpp(model, tmp_path / "wrong.gguf", "llama", permute=False)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "convert_hf_to_gguf.py").write_text(
+        "import shutil, sys\nshutil.copy(%r, sys.argv[sys.argv.index('--outfile') + 1])\n" % str(wrong))
+    with pytest.raises(SpectrainError, match="attn_q.weight differs"):
+        llama_cpp.convert_verifier(tmp_path / "hf", tmp_path / "out.gguf", "float32", tree)
+    assert not (tmp_path / "out.gguf").exists() and list(tmp_path.glob(".out.gguf.*")) == []
 
 
 def test_hf_verifier_needs_a_llama_cpp_tree(tmp_path, capsys):
@@ -509,6 +528,7 @@ def test_round_costs_against_plain_by_hand(tmp_path, capsys):
                                  "other_ms": 3.5}
     assert rows["eagle3-k3-q8_0"]["ceiling_speedup"] == pytest.approx(40 / 24)
     assert rows["eagle3-k3-q8_0"]["other_ms"] is None  # no 4-token forward timed
+    assert speed.round_costs(modes, costs, p_min=0.3) == {}  # the run's own p-min: every round's length varies
     result = tmp_path / "r.json"
     result.write_text(json.dumps({"targets": {"q4_1": {"modes": modes, "forward_costs": costs}}}))
     load_script("llama_cpp_speed").main(["--resummarize", str(result)])
