@@ -24,8 +24,8 @@ import torch
 
 from .dflash import DFlashDrafter
 from .errors import SpectrainError
-from .llama_cpp import (DRAFT_GGUF_DTYPES, GGUFValue, _check_dtype, _encode, _gguf, gguf_tensors, read_metadata,
-                        target_shape, tokenizer_metadata, write_draft_keys, write_gguf)
+from .llama_cpp import (DRAFT_GGUF_DTYPES, GGUFValue, _check_dtype, _encode, _gguf, decoder_keys, gguf_tensors,
+                        read_metadata, target_shape, tokenizer_metadata, write_draft_keys, write_gguf)
 
 ARCH = "dflash"
 # Target architectures whose llama.cpp graph exposes each layer's input (t_layer_inp), which draft-dflash
@@ -88,16 +88,7 @@ def dflash_gguf_metadata(drafter: DFlashDrafter) -> dict[str, tuple[str, object]
     c = drafter.config
     a = ARCH
     out = {
-        f"{a}.context_length": ("UINT32", c.max_position_embeddings),
-        f"{a}.embedding_length": ("UINT32", c.hidden_size),
-        f"{a}.feed_forward_length": ("UINT32", c.intermediate_size),
-        f"{a}.block_count": ("UINT32", c.num_hidden_layers),
-        f"{a}.attention.head_count": ("UINT32", c.num_heads),
-        f"{a}.attention.head_count_kv": ("UINT32", c.num_kv_heads),
-        f"{a}.attention.key_length": ("UINT32", c.head_dim),
-        f"{a}.attention.value_length": ("UINT32", c.head_dim),
-        f"{a}.rope.freq_base": ("FLOAT32", float(c.rope_theta)),
-        f"{a}.attention.layer_norm_rms_epsilon": ("FLOAT32", float(c.rms_norm_eps)),
+        **decoder_keys(a, c, blocks=c.num_hidden_layers),
         f"{a}.block_size": ("UINT32", c.block_size),
         f"{a}.target_layers": ("ARRAY_INT32", list(c.capture_ids)),
         f"{a}.sample_from_anchor": ("BOOL", bool(c.sample_from_anchor)),

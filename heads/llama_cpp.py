@@ -223,23 +223,31 @@ def eagle3_gguf_tensors(drafter) -> dict[str, torch.Tensor]:
     return out
 
 
+def decoder_keys(arch: str, c, blocks: int) -> dict[str, tuple[str, object]]:
+    """The decoder hyper-parameter keys every draft architecture's loader reads, from a drafter config with the
+    Llama-shaped fields (``hidden_size``, ``num_heads``, ``head_dim``, ``rope_theta``, ...)."""
+    return {
+        f"{arch}.context_length": ("UINT32", c.max_position_embeddings),
+        f"{arch}.embedding_length": ("UINT32", c.hidden_size),
+        f"{arch}.feed_forward_length": ("UINT32", c.intermediate_size),
+        f"{arch}.block_count": ("UINT32", blocks),
+        f"{arch}.attention.head_count": ("UINT32", c.num_heads),
+        f"{arch}.attention.head_count_kv": ("UINT32", c.num_kv_heads),
+        f"{arch}.attention.key_length": ("UINT32", c.head_dim),
+        f"{arch}.attention.value_length": ("UINT32", c.head_dim),
+        f"{arch}.rope.freq_base": ("FLOAT32", float(c.rope_theta)),
+        f"{arch}.attention.layer_norm_rms_epsilon": ("FLOAT32", float(c.rms_norm_eps)),
+    }
+
+
 def eagle3_gguf_metadata(drafter) -> dict[str, tuple[str, object]]:
     """``eagle3.*`` hyper-parameter key -> (GGUF value type name, value), as llama.cpp's converter writes them."""
     c = drafter.config
     a = ARCH
     return {
         f"{a}.vocab_size": ("UINT32", c.vocab_size),
-        f"{a}.context_length": ("UINT32", c.max_position_embeddings),
-        f"{a}.embedding_length": ("UINT32", c.hidden_size),
-        f"{a}.feed_forward_length": ("UINT32", c.intermediate_size),
-        f"{a}.block_count": ("UINT32", 1),
-        f"{a}.attention.head_count": ("UINT32", c.num_heads),
-        f"{a}.attention.head_count_kv": ("UINT32", c.num_kv_heads),
-        f"{a}.attention.key_length": ("UINT32", c.head_dim),
-        f"{a}.attention.value_length": ("UINT32", c.head_dim),
+        **decoder_keys(a, c, blocks=1),
         f"{a}.rope.dimension_count": ("UINT32", c.head_dim),
-        f"{a}.rope.freq_base": ("FLOAT32", float(c.rope_theta)),
-        f"{a}.attention.layer_norm_rms_epsilon": ("FLOAT32", float(c.rms_norm_eps)),
         f"{a}.target_layers": ("ARRAY_INT32", list(c.aux_layer_ids)),
         f"{a}.target_hidden_size": ("UINT32", c.hidden_size),
         f"{a}.norm_before_residual": ("BOOL", bool(c.norm_before_residual)),
