@@ -50,6 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, also when a test loads this one
 
 from engine_check import dflash_control, first_turns, our_tau, predicted_acceptance, strip_eos  # noqa: E402
+from layer_probe import choose_probe, first_drafts, layer_probe, predicted_acceptance as probe_acceptance, \
+    shifted_layers  # noqa: E402
 from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, find_binary,  # noqa: E402
                               rounds_and_tau)
 
@@ -82,12 +84,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "rounded to half precision, another numeric difference from our fp32 loop)")
     p.add_argument("--control_token", default=" the", help="text of the token the control always proposes")
     p.add_argument("--no_controls", action="store_true")
-    p.add_argument("--controls", default="eagle3,dflash", help="which controls run (eagle3, dflash)")
+    p.add_argument("--controls", default="eagle3,dflash,probe",
+                   help="which controls run (eagle3, dflash, probe: the EAGLE-3 layer probes and their shifted twins)")
+    p.add_argument("--probe_slots", default="0,1,2", help="the aux slots a layer probe reads, one probe each")
     p.add_argument("--tolerance", type=float, default=0.05)
     p.add_argument("--near_tie", type=float, default=1e-3,
                    help="a prompt whose speculative output parts from plain passes when llama.cpp's own plain-path "
-                        "margin between the two tokens is at most this (nats; fp32 kernels of different batch "
-                        "shapes differ by ~1e-4 on these logits)")
+                        "margin between the two tokens is at most this (nats) or at most twice the largest "
+                        "difference of one token's log-probability between llama.cpp's plain and speculative paths "
+                        "in the same run (measured, recorded as kernel_spread)")
+    p.add_argument("--near_tie_max", type=float, default=0.01,
+                   help="nats: paths that differ by more than this on one token's log-probability are not kernel "
+                        "noise (the drafter's row fails), and no parting above it passes as a near-tie")
     p.add_argument("--out", default="runs/llama_cpp_check")
     return p.parse_args(argv)
 
@@ -141,8 +149,7 @@ def mistaken_gguf(good: Path, out: Path, mistake: str, target_layers: int) -> Pa
                 continue
             value = v.value
             if mistake == "layers" and key == f"{ARCH}.target_layers":
-                shift = 1 if max(value) + 1 < target_layers else -1
-                value = [i + shift for i in value]
+                value = shifted_layers(list(value), target_layers)
             if v.vtype == gguf.GGUFValueType.ARRAY:
                 writer.add_key_value(key, list(value), v.vtype, sub_type=v.item_type)
             else:
@@ -189,6 +196,43 @@ def partings(plain_runs: list[dict], spec_runs: list[dict], prompt_ids: list[lis
     return out
 
 
+def default_probe_layers(verifier) -> list[int]:
+    """The aux layers a probe reads: an EAGLE-3's default for this verifier (the shipped drafters' layers)."""
+    return list(EagleDrafter.for_verifier(verifier, "eagle3", draft_vocab_size=8).config.aux_layer_ids)
+
+
+def probe_prediction(probe: EagleDrafter, verifier, prompt_ids: list[list[int]], outputs: list[list[int]]) -> dict:
+    """What a layer probe accepts at draft 1 on the text llama.cpp emitted, by our forward (:mod:`layer_probe`),
+    in the shape of :func:`engine_check.our_tau`'s row; ``min_margin``: the smallest logit margin of a first draft
+    (> 0: no draft is a tie)."""
+    drafted = [first_drafts(probe, verifier, p + o) for p, o in zip(prompt_ids, outputs)]
+    per_prompt = probe_acceptance(outputs, prompt_ids, [d for d, _ in drafted])
+    accepted, rounds = sum(r["accepted"] for r in per_prompt), sum(r["rounds"] for r in per_prompt)
+    margins = [float(m[len(p) + 1:len(p) + len(o)].min()) for (_, m), p, o in zip(drafted, prompt_ids, outputs)
+               if len(o) > 1]
+    return {"tau": sum(len(o) - 1 for o in outputs) / rounds if rounds else None, "alpha": None,
+            "identical_to_ar": None, "accepted": accepted, "rounds": rounds,
+            "accepted_per_prompt": [r["accepted"] for r in per_prompt], "min_margin": min(margins, default=None)}
+
+
+def kernel_spread(plain_runs: list[dict], spec_runs: list[dict], eos: set[int]) -> float | None:
+    """How far llama.cpp's two paths disagree in this run: the largest difference between the plain (1-row) and
+    the speculative (batched verify) path's log-probability of the same token at the same position, over every
+    position both paths scored with the same context (up to and including a prompt's first parting; accepted
+    drafts carry no probabilities). None: no position was scored by both."""
+    spread = None
+    for p, s in zip(plain_runs, spec_runs):
+        a, b = strip_eos(p["tokens"], eos), strip_eos(s["tokens"], eos)
+        stop = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) - 1)
+        for j in range(min(stop + 1, len(p["probs"]), len(s["probs"]))):
+            plain = {t["id"]: t["logprob"] for t in p["probs"][j].get("top_logprobs") or []}
+            spec = {t["id"]: t["logprob"] for t in s["probs"][j].get("top_logprobs") or []}
+            for token in plain.keys() & spec.keys():
+                d = abs(plain[token] - spec[token])
+                spread = d if spread is None else max(spread, d)
+    return spread
+
+
 # -- the verdict --------------------------------------------------------------------------------------------
 def judge(info: dict, plain: list[list[int]], spec: list[list[int]], counts: list[dict], ours: dict,
           tolerance: float, token: int, k: int, parted: list[dict] | None = None,
@@ -204,9 +248,14 @@ def judge(info: dict, plain: list[list[int]], spec: list[list[int]], counts: lis
     file that says the wrong layers are the wrong layers, so they prove nothing about the convention; a control
     (``info["control_token"]``) needs llama.cpp's accepted count equal to the count predicted from what it emitted
     (``spec``: a draft of ``k`` copies of the token accepts exactly its leading runs there), and ours equal to the
-    one predicted from our own output. A prompt whose ``spec`` parts from ``plain`` passes only as a measured
+    one predicted from our own output; a layer probe (``info["probe_predicted"]``: accepted per prompt predicted by
+    our forward on llama.cpp's own text, :mod:`layer_probe`) needs llama.cpp's per-prompt counts equal to it, and
+    its shifted twin needs them to differ. ``info["informational"]``: a mistaken export reported, not judged
+    (a trained drafter's shifted layers, which τ cannot tell apart; the probes decide). A prompt whose ``spec`` parts from ``plain`` passes only as a measured
     near-tie: ``partings`` (:func:`partings`) has its first parting with llama.cpp's own plain-path margin between
-    the two tokens at most ``near_tie`` (nats; None: no parting may pass)."""
+    the two tokens at most ``near_tie`` (nats; None: no parting may pass; the check passes
+    max(``--near_tie``, 2 · the run's measured ``kernel_spread``) capped at ``--near_tie_max``), and a row whose
+    ``info["kernel_spread"]`` exceeds ``info["near_tie_max"]`` fails: its paths disagree by more than kernels do."""
     identical = sum(a == b for a, b in zip(spec, plain))
     generated = sum(c["generated"] for c in counts)
     rounds = sum(c["rounds"] for c in counts)
@@ -225,6 +274,11 @@ def judge(info: dict, plain: list[list[int]], spec: list[list[int]], counts: lis
     if identical != len(plain):
         notes.append(f"spec != plain on {len(plain) - identical} prompts"
                      + (f", {len(ties)} a measured near-tie" if ties else ""))
+    spread, limit = info.get("kernel_spread"), info.get("near_tie_max")
+    if spread is not None and limit is not None and spread > limit:
+        ok = False
+        notes.append(f"llama.cpp's plain and speculative paths differ by {spread:.4f} nats on one token: more than "
+                     f"kernel noise ({limit})")
     layers_differ = False
     if "expected_layers" in info:
         found["engine_layers"] = info.get("engine_layers")
@@ -233,11 +287,24 @@ def judge(info: dict, plain: list[list[int]], spec: list[list[int]], counts: lis
             ok = False
             notes.append(f"llama.cpp resolved target layers {info.get('engine_layers')}, the drafter's are "
                          f"{info['expected_layers']}")
-    if "must_differ" in info:  # caught only by what the engine measures: the resolved layers echo the file
-        ok = ok and not within
+    if "probe_predicted" in info:  # a layer probe: exact accepted counts per prompt, in place of the τ band
+        per_prompt = [c["accepted"] for c in counts]
+        same = per_prompt == info["probe_predicted"]
+        found.update(accepted_per_prompt=per_prompt, prediction_matches=same)
+        if "must_differ" in info:
+            ok = ok and not same
+            notes.append(f"{'caught' if not same else 'NOT caught'}: accepted {per_prompt} vs {info['probe_predicted']}"
+                         " predicted from the named layers")
+        else:
+            ok = ok and same
+            notes.insert(0, f"accepted {per_prompt} vs predicted {info['probe_predicted']}")
+    elif "must_differ" in info:  # caught only by what the engine measures: the resolved layers echo the file
+        if not info.get("informational"):
+            ok = ok and not within
         notes.append(f"{'caught' if not within else 'NOT caught'} by tau"
                      + (f": {tau:.3f} vs {ours['tau']:.3f}" if tau is not None else ": no rounds")
-                     + ("; llama.cpp read the file's shifted layers" if layers_differ else ""))
+                     + ("; llama.cpp read the file's shifted layers" if layers_differ else "")
+                     + ("; informational: the layer probes decide this mistake" if info.get("informational") else ""))
     else:
         ok = ok and within
     if "control_token" in info:
@@ -272,6 +339,15 @@ def run(args, command: str = "") -> Path:
         write_verifier_gguf(source, target, "float32", through="bfloat16" if args.verifier == "bundled:smollm2" else None)
     prompts = first_turns(args.prompts, args.num_prompts, out / "prompts.json", tokenizer)
     layers = verifier.config.num_hidden_layers
+    controls = [] if args.no_controls else [c.strip() for c in args.controls.split(",") if c.strip()]
+    unknown = [c for c in controls if c not in ("eagle3", "dflash", "probe")]
+    if unknown:
+        raise SpectrainError(f"--controls: unknown control {unknown[0]!r} (eagle3, dflash, probe)")
+    probing = "probe" in controls
+    try:
+        probe_slots = [int(x) for x in args.probe_slots.split(",") if x.strip()] if probing else []
+    except ValueError:
+        raise SpectrainError(f"--probe_slots expects slot numbers like 0,1,2, got {args.probe_slots!r}") from None
 
     # (name, method, our drafter dir or None, gguf, info); a block drafter's k is its drafts per block
     drafters = []
@@ -295,15 +371,15 @@ def run(args, command: str = "") -> Path:
             for mistake in ("layers", "d2t"):
                 wrong = mistaken_gguf(good, out / "gguf" / f"{name}-wrong-{mistake}.gguf", mistake, layers)
                 drafters.append((f"{name}-wrong-{mistake}", method, None, wrong,
-                                 {"must_differ": mistake, "of": name, "expected_layers": expected}))
+                                 {"must_differ": mistake, "of": name, "expected_layers": expected,
+                                  **({"informational": True} if mistake == "layers" and probing else {})}))
     token = tokenizer(args.control_token, add_special_tokens=False)["input_ids"]
     if len(token) != 1:
         raise SpectrainError(f"--control_token {args.control_token!r} is {len(token)} tokens, not one")
     token = token[0]
-    controls = [] if args.no_controls else [c.strip() for c in args.controls.split(",") if c.strip()]
     for kind in controls:
-        if kind not in ("eagle3", "dflash"):
-            raise SpectrainError(f"--controls: unknown control {kind!r} (eagle3, dflash)")
+        if kind == "probe":
+            continue  # built from llama.cpp's plain text, below
         control_dir = out / f"control-{kind}"
         if kind == "eagle3":
             control = eagle3_control(verifier, token)
@@ -317,7 +393,7 @@ def run(args, command: str = "") -> Path:
         drafters.append((f"control-{kind}", kind, control_dir,
                          write(control, out / "gguf" / f"control-{kind}.gguf", source, force=True),
                          {"control_token": token, **info}))
-    if not drafters:
+    if not drafters and not probing:
         raise SpectrainError("nothing to check: pass --drafter or drop --no_controls")
 
     ours = {name: our_tau(args, loaded, method, path, prompts, out / "ours" / name, info.get("k", args.k))
@@ -325,6 +401,11 @@ def run(args, command: str = "") -> Path:
     for name, _, _, _, info in drafters:
         if "must_differ" in info:
             ours[name] = ours[info["of"]]
+    if not ours:  # probes alone: our AR greedy output and prompt ids from a control's evaluation
+        control_dir = out / "control-eagle3"
+        eagle3_control(verifier, token).save_pretrained(control_dir)
+        ours["control-eagle3"] = our_tau(args, loaded, "eagle3", control_dir, prompts, out / "ours" / "control-eagle3",
+                                         args.k)
     first = next(iter(ours.values()))
     prompt_ids, our_ar = first["prompt_ids"], first["ar_tokens"]
     common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", "4096", "-np", "1", "--seed", "0",
@@ -338,6 +419,18 @@ def run(args, command: str = "") -> Path:
     plain = [strip_eos(r["tokens"], eos) for r in plain_runs]
     ar_match = sum(a == strip_eos(b, eos) for a, b in zip(plain, our_ar))
     ar_parted = partings(plain_runs, [{"tokens": t, "probs": []} for t in our_ar], prompt_ids, verifier, eos)
+    probes = {}  # name -> the probe drafter whose forward predicts that row's acceptance (a twin: its probe's)
+    for slot in probe_slots:
+        choice = choose_probe(verifier, default_probe_layers(verifier), slot, list(zip(prompt_ids, plain)))
+        probe = layer_probe(verifier, slot, choice["dim"], choice["positive"], choice["negative"])
+        name = f"probe-slot{slot}"
+        good = write_eagle3_gguf(probe, out / "gguf" / f"{name}.gguf", source, force=True)
+        twin = mistaken_gguf(good, out / "gguf" / f"{name}-wrong-layers.gguf", "layers", layers)
+        expected = list(probe.config.aux_layer_ids)
+        drafters.append((name, "eagle3", None, good, {"k": 1, "probe": choice, "expected_layers": expected}))
+        drafters.append((f"{name}-wrong-layers", "eagle3", None, twin,
+                         {"k": 1, "probe": choice, "must_differ": "layers", "of": name, "expected_layers": expected}))
+        probes[name] = probes[f"{name}-wrong-layers"] = probe
     rows, records, ok_all = [], [], True
     for name, method, _, gguf_file, info in drafters:
         k = info.get("k", args.k)
@@ -349,8 +442,15 @@ def run(args, command: str = "") -> Path:
         spec = [strip_eos(r["tokens"], eos) for r in runs]
         counts = [rounds_and_tau(r) for r in runs]
         parted = partings(plain_runs, runs, prompt_ids, verifier, eos)
-        ok, note, found = judge(info, plain, spec, counts, ours[name], args.tolerance, token, k, parted,
-                                args.near_tie)
+        if name in probes:  # the prediction: our probe's first drafts on llama.cpp's own speculative text
+            ours[name], info = probe_prediction(probes[name], verifier, prompt_ids, spec), dict(info)
+            info.update(probe_predicted=ours[name]["accepted_per_prompt"], probe_min_margin=ours[name]["min_margin"])
+        # a parting's margin against what the two paths' kernels measurably differ by: a margin difference
+        # between two tokens can reach twice the largest difference of one token's log-probability
+        spread = kernel_spread(plain_runs, runs, eos)
+        near_tie = max(args.near_tie, min(2 * spread, args.near_tie_max)) if spread is not None else args.near_tie
+        info = {**info, "kernel_spread": spread, "near_tie_used": near_tie, "near_tie_max": args.near_tie_max}
+        ok, note, found = judge(info, plain, spec, counts, ours[name], args.tolerance, token, k, parted, near_tie)
         ok_all &= ok
         tau = found["tau_llama_cpp"]
         rows.append([name, k, ours[name]["tau"], "-" if tau is None else tau,

@@ -3,6 +3,8 @@
     python benchmarks/ship_drafter.py RUN_DIR --name NAME --format speculators \\
         --verifier_name HuggingFaceTB/SmolLM2-135M-Instruct --data "..." --command "train_eagle ..." \\
         [--eval EVAL_JSON ...] [--out pretrained] [--force]
+    python benchmarks/ship_drafter.py pretrained/NAME --refresh \
+        [--llama_cpp_check CHECK_JSON --llama_cpp_speed SPEED_JSON]
 
 writes ``pretrained/NAME/``: the weights in ``--format`` (a layout both spectrain and the serving engine load:
 ``speculators`` / ``eagle3`` for EAGLE-3, ``eagle`` for EAGLE-1, ``medusa`` for Medusa), ``card.json`` (the
@@ -55,6 +57,77 @@ def eval_rows(paths: list[str], row_name: str | None) -> list[dict]:
     return rows
 
 
+def llama_cpp_facts(check_path: str, speed_path: str, name: str) -> dict:
+    """The card's llama.cpp figures, from a committed ``llama_cpp_check.py`` JSON (the row whose drafter is
+    ``pretrained/NAME``: τ ours vs llama.cpp) and a ``llama_cpp_speed.py`` JSON (per target: plain tok/s, this
+    drafter's best mode and llama.cpp's best n-gram mode, speedups as median and min–max)."""
+    check, speed = read_json(check_path), read_json(speed_path)
+    rows = [r for r in check.get("drafters", []) if Path(str(r.get("source", ""))).name == name]
+    if len(rows) != 1:
+        raise SpectrainError(f"--llama_cpp_check {check_path}: no single row for drafter {name!r}")
+    if Path(str(speed.get("drafter", ""))).name != name:
+        raise SpectrainError(f"--llama_cpp_speed {speed_path} times {speed.get('drafter')!r}, not {name!r}")
+    row = rows[0]
+
+    def best(modes: dict, prefix: str) -> dict:
+        chosen = max((m for m in modes if m.startswith(prefix)), key=lambda m: modes[m]["speedup_median"])
+        r = modes[chosen]
+        return {"mode": chosen, "speedup": round(r["speedup_median"], 3), "min": round(r["speedup_min"], 3),
+                "max": round(r["speedup_max"], 3), "tau": round(r["tau"], 3)}
+
+    targets = {t: {"plain_tok_per_s": round(v["modes"]["plain"]["tok_per_s_median"], 1),
+                   "drafter": best(v["modes"], "eagle3"), "ngram": best(v["modes"], "ngram")}
+               for t, v in speed["targets"].items()}
+    cpu = speed.get("cpu") or {}
+    return {"check": {"file": check_path, "command": check["command"], "k": row["k"],
+                      "tau_ours": round(row["tau_ours"], 3), "tau_llama_cpp": round(row["tau_llama_cpp"], 3),
+                      "prompts": check["num_prompts"], "max_new_tokens": check["max_new_tokens"]},
+            "speed": {"file": speed_path, "command": speed["command"], "threads": speed["threads"],
+                      "repeats": speed["repeats"], "cpu": f"{cpu.get('cores')}-core {cpu.get('model')}"
+                      + (", AMX" if cpu.get("amx_bf16") else ", no AMX"), "targets": targets},
+            "llama_cpp": check.get("llama_cpp")}
+
+
+def llama_cpp_text(card: dict) -> str:
+    """The card's "Serve with llama.cpp" section (EAGLE-3 only: llama.cpp serves no EAGLE-1 or Medusa)."""
+    if card["method"] != "eagle3":
+        return ""
+    text = f"""
+## Serve with llama.cpp
+
+```bash
+spectrain-export pretrained/{card['name']} --format gguf --dtype q8_0 --out {card['name']}.gguf  # tokenizer: {card['verifier']}'s GGUF
+spectrain-verifier-gguf {card['verifier']} --out target-f32.gguf    # the weights it trained on (or serve the Q4_1 file)
+llama-server -m target-f32.gguf -md {card['name']}.gguf --spec-type draft-eagle3 --spec-draft-n-max 4 --spec-draft-p-min 0.5
+```
+
+The GGUF is written, not shipped: the export is deterministic (the same file from the same weights and
+target), and its 12 MB at q8_0 (41 MB at f32; the target's tokenizer is inside) would take `pretrained/` past
+its 30 MB budget.
+"""
+    facts = card.get("llama_cpp")
+    if not facts:
+        return text
+    c, sp = facts["check"], facts["speed"]
+    rows = "\n".join(f"| {t} | {v['plain_tok_per_s']} | {v['drafter']['speedup']:.3f}× ({v['drafter']['min']:.3f}–"
+                     f"{v['drafter']['max']:.3f}), `{v['drafter']['mode']}`, τ {v['drafter']['tau']:.3f} | "
+                     f"{v['ngram']['speedup']:.3f}× ({v['ngram']['min']:.3f}–{v['ngram']['max']:.3f}), "
+                     f"`{v['ngram']['mode']}` |" for t, v in sp["targets"].items())
+    return text + f"""
+Measured in llama.cpp ({facts['llama_cpp']}): τ {c['tau_llama_cpp']:.3f} in `llama-server` against {c['tau_ours']:.3f}
+in our loop (draft {c['k']}, {c['prompts']} MT-bench first turns × {c['max_new_tokens']} tokens, f32 target;
+`{Path(c['file']).name}`). Speed against llama.cpp's plain decoding ({sp['cpu']}, {sp['threads']} threads,
+{sp['repeats']} interleaved repeats, median (min–max); `{Path(sp['file']).name}`):
+
+| target | plain tok/s | this drafter, best mode | llama.cpp's best n-gram mode |
+|---|---|---|---|
+{rows}
+
+Below 1× on both: on a 135M target a llama.cpp round costs more than the tokens this drafter's acceptance buys
+(docs/export.md, "Where a round's time goes in llama.cpp").
+"""
+
+
 def fmt(value, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -86,10 +159,30 @@ spectrain-eval --verifier {card['verifier']} --method {'medusa' if card['method'
 | prompts | setting | T | dtype | τ |
 |---|---|---|---|---|
 {measured or '| – | – | – | – | – |'}
-"""
+""" + llama_cpp_text(card)
+
+
+def refresh(args) -> Path:
+    """Re-render a shipped card (README.md from card.json) with its llama.cpp figures from committed files; the
+    weights are not touched. Both files are written beside and renamed into place."""
+    target = Path(args.run_dir)
+    if not (target / "card.json").is_file():
+        raise SpectrainError(f"--refresh {target}: no card.json (not a shipped drafter)")
+    card = read_json(target / "card.json")
+    if args.llama_cpp_check or args.llama_cpp_speed:
+        if not (args.llama_cpp_check and args.llama_cpp_speed):
+            raise SpectrainError("--llama_cpp_check and --llama_cpp_speed go together")
+        card["llama_cpp"] = llama_cpp_facts(args.llama_cpp_check, args.llama_cpp_speed, card["name"])
+    write_json(target / "card.json", card)
+    tmp = target / "README.md.tmp"
+    tmp.write_text(card_text(card))
+    tmp.replace(target / "README.md")
+    return finish(card, target / "card.json", [format_table(["", "value"], [["refreshed", target]], title="card")])
 
 
 def main_(args) -> Path:
+    if args.refresh:
+        return refresh(args)
     run_dir = Path(args.run_dir)
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
@@ -122,6 +215,8 @@ def main_(args) -> Path:
                 "measured_on": args.measured_on, "curve": summary.get("curve"),
                 "command": args.command, "eval": eval_rows(args.eval, args.results_row),
                 "size_mb": (tmp / weights_file(args.format)).stat().st_size / 2 ** 20}
+        if args.llama_cpp_check or args.llama_cpp_speed:
+            card["llama_cpp"] = llama_cpp_facts(args.llama_cpp_check, args.llama_cpp_speed, args.name)
         write_json(tmp / "card.json", card)
         (tmp / "README.md").write_text(card_text(card))
     table = format_table(["", "value"], [["drafter", target], ["format", args.format],
@@ -133,12 +228,16 @@ def main_(args) -> Path:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run_dir")
-    p.add_argument("--name", required=True)
-    p.add_argument("--format", required=True, help="serving layout: speculators, eagle3, eagle, medusa, ...")
-    p.add_argument("--verifier_name", required=True, help="the verifier's hub id written into the export")
+    p.add_argument("--refresh", action="store_true",
+                   help="RUN_DIR is a shipped drafter (pretrained/NAME): re-render its card, add --llama_cpp_* figures")
+    p.add_argument("--llama_cpp_check", default=None, help="a committed llama_cpp_check.py JSON (EAGLE-3 cards)")
+    p.add_argument("--llama_cpp_speed", default=None, help="a committed llama_cpp_speed.py JSON (EAGLE-3 cards)")
+    p.add_argument("--name")
+    p.add_argument("--format", help="serving layout: speculators, eagle3, eagle, medusa, ...")
+    p.add_argument("--verifier_name", help="the verifier's hub id written into the export")
     p.add_argument("--verifier_note", default="", help="how the training verifier relates to the hub model")
-    p.add_argument("--data", required=True, help="what it was trained on, in words")
-    p.add_argument("--command", required=True, help="the command that trained it")
+    p.add_argument("--data", help="what it was trained on, in words")
+    p.add_argument("--command", help="the command that trained it")
     p.add_argument("--measured_on", default="16 held-out prompts, chain 5, T = 0, 64 new tokens",
                    help="what the run's measured tau was measured on")
     p.add_argument("--machine", default="2 CPU cores", help="where it trained, in words")
@@ -147,7 +246,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results_row", default=None, help="this drafter's row name in a spectrain-results JSON")
     p.add_argument("--out", default="pretrained")
     p.add_argument("--force", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    missing = [f"--{k}" for k in ("name", "format", "verifier_name", "data", "command") if getattr(args, k) is None]
+    if missing and not args.refresh:
+        p.error(f"the following arguments are required: {', '.join(missing)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> Path:

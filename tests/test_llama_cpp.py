@@ -419,6 +419,78 @@ def test_mistaken_ggufs_carry_exactly_one_mistake(tmp_path, verifier, check):
     assert all(np.array_equal(np.array(d[k][2]), np.array(g[k][2])) for k in g if k != "d2t")
 
 
+def test_layer_probe_drafts_by_the_sign_of_one_coordinate_of_one_layer(verifier):
+    probe_mod = load_script("layer_probe")
+    drafter = probe_mod.layer_probe(verifier, 1, 5, positive=11, negative=42, draft_vocab=64)
+    layers = list(drafter.config.aux_layer_ids)
+    ids = torch.randint(0, VOCAB, (20,)).tolist()
+    drafts, margins = probe_mod.first_drafts(drafter, verifier, ids)
+    coordinate = probe_mod.aux_states(verifier, ids, [layers[1]])[:, 5]  # (T,) the probed coordinate
+    expected = torch.where(coordinate[:-2] > 0, 11, 42)  # position j is drafted from the features at j - 2
+    assert torch.equal(drafts[2:], expected) and (drafts[:2] == -1).all()
+    # sqrt(h) over every other draft token where |x| is well above the norm's eps, less only near x = 0
+    assert (margins[2:] > 0).all() and margins[2:].median() > 0.5 * verifier.config.hidden_size ** 0.5
+    shifted = probe_mod.shifted_layers(layers, LAYERS)
+    assert shifted == [i + 1 for i in layers] or shifted == [i - 1 for i in layers]
+    moved = probe_mod.aux_states(verifier, ids, [shifted[1]])[:, 5]
+    assert not torch.equal(coordinate.sign(), moved.sign())  # the neighbouring layer's signs differ somewhere
+
+
+def test_layer_probe_prediction_and_choice(verifier):
+    probe_mod = load_script("layer_probe")
+    # output [5, 7, 9, 7] after a 2-token prompt; drafts by absolute position (prompt 0-1, output 2-5)
+    drafts = [torch.tensor([-1, -1, -1, 7, 3, 7])]
+    # p=1: draft 7 at position 3, output 7: accepted, bonus 9; p=3: draft 7 at position 5 = 7: accepted
+    assert probe_mod.predicted_acceptance([[5, 7, 9, 7]], [[1, 2]], drafts) == [{"accepted": 2, "rounds": 2}]
+    drafts = [torch.tensor([-1, -1, -1, 3, 9, 3])]  # p=1 rejected, p=2 accepted (9), then p=4 ends
+    assert probe_mod.predicted_acceptance([[5, 7, 9, 7]], [[1, 2]], drafts) == [{"accepted": 1, "rounds": 2}]
+    torch.manual_seed(0)
+    sequences = [(torch.randint(0, VOCAB, (6,)).tolist(), [int(x) for x in torch.randint(0, 3, (40,))])
+                 for _ in range(3)]
+    layers = [1, 3, 4]
+    choice = probe_mod.choose_probe(verifier, layers, 0, sequences)
+    assert {choice["positive"], choice["negative"]} <= {0, 1, 2} and choice["positive"] != choice["negative"]
+    assert choice["positions_told_apart_named_layer"] > choice["positions_told_apart_shifted_layer"]
+    # the probe built from that choice tells the two tokens apart as often as the choice counted
+    drafter = probe_mod.layer_probe(verifier, 0, choice["dim"], choice["positive"], choice["negative"],
+                                    draft_vocab=64, aux_layer_ids=layers)
+    told = 0
+    for prompt, out in sequences:
+        d, _ = probe_mod.first_drafts(drafter, verifier, prompt + out)
+        told += sum(int(d[len(prompt) + p]) == out[p] for p in range(1, len(out))
+                    if out[p] in (choice["positive"], choice["negative"]))
+    assert told == choice["positions_told_apart_named_layer"]
+
+
+def test_kernel_spread_is_measured_where_both_paths_scored_the_same_context(check):
+    def run(tokens, probs):
+        return {"tokens": tokens, "probs": [{"top_logprobs": [{"id": i, "logprob": v} for i, v in p.items()]}
+                                             for p in probs]}
+    plain = run([5, 6, 7, 8], [{5: -0.1, 1: -3.0}, {6: -0.2}, {7: -0.5, 9: -0.5015}, {8: -0.1}])
+    # the speculative path: position 1 an accepted draft (no probabilities), parts at position 2 (9 over 7)
+    spec = run([5, 6, 9, 8], [{5: -0.1004, 1: -3.0}, {}, {9: -0.5001, 7: -0.5009}, {8: -5.0}])
+    # after the parting the contexts differ (position 3's -5.0 is not counted)
+    assert check.kernel_spread([plain], [spec], set()) == pytest.approx(0.0014)  # token 9 at the parting
+    assert check.kernel_spread([plain], [run([5, 6, 7, 8], [{}, {}, {}, {}])], set()) is None
+
+
+def test_probe_verdicts(check):
+    plain = [[5, 6, 7, 8]] * 2
+    counts = [_counts(21, 10), _counts(21, 4)]
+    ours = {"tau": 2.0, "accepted": 14, "rounds": 20, "ar_tokens": plain}
+    probe = {"probe_predicted": [10, 4], "expected_layers": [1, 2, 3], "engine_layers": [1, 2, 3]}
+    assert check.judge(probe, plain, plain, counts, ours, 0.05, 9, 1)[0]
+    assert not check.judge({**probe, "probe_predicted": [10, 5]}, plain, plain, counts, ours, 0.05, 9, 1)[0]
+    assert not check.judge({**probe, "probe_predicted": [4, 10]}, plain, plain, counts, ours, 0.05, 9, 1)[0]
+    twin = {**probe, "must_differ": "layers", "engine_layers": [2, 3, 4]}
+    assert not check.judge(twin, plain, plain, counts, ours, 0.05, 9, 1)[0]  # the same counts: NOT caught
+    assert check.judge({**twin, "probe_predicted": [11, 4]}, plain, plain, counts, ours, 0.05, 9, 1)[0]
+    # a trained drafter's shifted layers: reported, not judged, once the probes decide that mistake
+    informational = {"must_differ": "layers", "informational": True}
+    ok, note, _ = check.judge(informational, plain, plain, counts, {**ours, "tau": 40 / 26}, 0.05, 9, 4)
+    assert ok and "NOT caught by tau" in note and "informational" in note
+
+
 def _counts(generated, accepted):
     return {"generated": generated, "accepted": accepted, "rounds": generated - 1 - accepted, "drafted": 4 * 10}
 
@@ -453,6 +525,9 @@ def test_check_verdicts(check):
     assert check.judge({}, plain, parted, counts, ours, 0.05, 9, 4, tie, 1e-3)[0]  # a measured near-tie passes
     assert not check.judge({}, plain, parted, counts, ours, 0.05, 9, 4, [{**tie[0], "plain_margin": 0.5}], 1e-3)[0]
     assert not check.judge({}, plain, parted, counts, ours, 0.05, 9, 4, [{**tie[0], "plain_margin": None}], 1e-3)[0]
+    noisy = {"kernel_spread": 2e-4, "near_tie_max": 0.01}
+    assert check.judge(noisy, plain, plain, counts, ours, 0.05, 9, 4)[0]
+    assert not check.judge({**noisy, "kernel_spread": 0.5}, plain, plain, counts, ours, 0.05, 9, 4)[0]
     wrong = [{"generated": 4, "accepted": 0, "rounds": 3, "drafted": 6}]
     assert not check.judge({"control_token": 7}, control_plain, control_plain, wrong, control, 0.5, 7, 2)[0]
 
