@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.formats import check_format_for, export_drafter, import_drafter, method_of, weights_file
 from spectrain.heads.io import atomic_dir, read_json, write_json
+from spectrain.heads.llama_cpp import write_eagle3_gguf
 from spectrain.heads.report import finish, format_table
 
 
@@ -88,6 +90,26 @@ def llama_cpp_facts(check_path: str, speed_path: str, name: str) -> dict:
             "llama_cpp": check.get("llama_cpp")}
 
 
+PRETRAINED_BUDGET_MB = 30  # what pretrained/ may hold in all (tests/test_pretrained.py MAX_MB)
+
+
+def gguf_facts(drafter_dir: Path, verifier: str) -> dict:
+    """The drafter's llama.cpp files as ``spectrain-export --format gguf`` writes them (f32 and q8_0, beside the
+    verifier's GGUF), each written twice: sizes in MB and whether the two writes are the same bytes (the card
+    says the file is written, not shipped, on the strength of this)."""
+    from spectrain.heads.export_cli import target_gguf_for
+
+    drafter = import_drafter(drafter_dir)
+    target = target_gguf_for(verifier)
+    facts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype, key in (("q8_0", "q8_0"), ("float32", "f32")):
+            a, b = (write_eagle3_gguf(drafter, Path(tmp) / f"{key}-{i}.gguf", target, dtype) for i in (0, 1))
+            facts[f"{key}_mb"] = round(a.stat().st_size / 2 ** 20, 1)
+            facts[f"{key}_deterministic"] = a.read_bytes() == b.read_bytes()
+    return facts
+
+
 def llama_cpp_text(card: dict) -> str:
     """The card's "Serve with llama.cpp" section (EAGLE-3 only: llama.cpp serves no EAGLE-1 or Medusa)."""
     if card["method"] != "eagle3":
@@ -101,9 +123,15 @@ spectrain-verifier-gguf {card['verifier']} --out target-f32.gguf    # the weight
 llama-server -m target-f32.gguf -md {card['name']}.gguf --spec-type draft-eagle3 --spec-draft-n-max 4 --spec-draft-p-min 0.5
 ```
 
-The GGUF is written, not shipped: the export is deterministic (the same file from the same weights and
-target), and its 12 MB at q8_0 (41 MB at f32; the target's tokenizer is inside) would take `pretrained/` past
-its 30 MB budget.
+"""
+    g = card.get("gguf")
+    if g:
+        same = g["q8_0_deterministic"] and g["f32_deterministic"]
+        text += f"""
+The GGUF is written, not shipped: {'the export is deterministic (written twice, the same bytes at q8_0 and at f32)'
+                                     if same else 'NOTE: two exports of these weights differed'}, and its
+{g['q8_0_mb']} MB at q8_0 ({g['f32_mb']} MB at f32; the target's tokenizer is inside) would take `pretrained/` past its
+{PRETRAINED_BUDGET_MB} MB budget.
 """
     facts = card.get("llama_cpp")
     if not facts:
@@ -173,6 +201,8 @@ def refresh(args) -> Path:
         if not (args.llama_cpp_check and args.llama_cpp_speed):
             raise SpectrainError("--llama_cpp_check and --llama_cpp_speed go together")
         card["llama_cpp"] = llama_cpp_facts(args.llama_cpp_check, args.llama_cpp_speed, card["name"])
+    if card["method"] == "eagle3":
+        card["gguf"] = gguf_facts(target, card["verifier"])
     write_json(target / "card.json", card)
     tmp = target / "README.md.tmp"
     tmp.write_text(card_text(card))
@@ -217,6 +247,8 @@ def main_(args) -> Path:
                 "size_mb": (tmp / weights_file(args.format)).stat().st_size / 2 ** 20}
         if args.llama_cpp_check or args.llama_cpp_speed:
             card["llama_cpp"] = llama_cpp_facts(args.llama_cpp_check, args.llama_cpp_speed, args.name)
+        if card["method"] == "eagle3":
+            card["gguf"] = gguf_facts(tmp, card["verifier"])
         write_json(tmp / "card.json", card)
         (tmp / "README.md").write_text(card_text(card))
     table = format_table(["", "value"], [["drafter", target], ["format", args.format],

