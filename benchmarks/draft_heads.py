@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import sys
 import time
 
 import torch
 
 from spectrain.eval.cli import dynamic_tree, named_values
+from spectrain.eval.decode_dtype import cpu_line, cpu_record, decode_dtype
 from spectrain.eval.evaluate import evaluate_drafter, in_loop_costs, load_drafter, summarize
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
@@ -71,8 +73,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--interleave", action="store_true",
                    help="prompt by prompt: AR, then every drafter setting on that prompt (each setting's turns "
                         "pooled, its speedup over the pooled AR): the machine's drift reaches every side alike")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --interleave: the whole interleaved pass this many times; each row's speedup is the "
+                        "median over the passes, with its min and max")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="decoding dtype; auto: bf16 where bf16 is native (AMX / AVX512-BF16), fp32 elsewhere")
     p.add_argument("--out", default="runs/bench/draft_heads.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1 or (args.repeats > 1 and not args.interleave):
+        p.error("--repeats must be >= 1, and more than 1 only with --interleave")
+    return args
 
 
 def sizes(spec: str, what: str) -> list[int]:
@@ -96,16 +106,17 @@ def row(label: str, draft_vocab, setting: str, r: dict, ar_tokens_per_second: fl
             "ar_tokens_per_second": ar_tokens_per_second, "identical_turns": identical}
 
 
-def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, dict]], common: dict):
+def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, dict]], common: dict, offset: int = 0):
     """Prompt by prompt: AR on it, then every job on it, each job first in turn (``--interleave``), so a drift of
     the machine's speed — ±15 % within minutes on shared cores — reaches AR and every drafter alike. Each setting's
     turns are pooled over the prompts (:func:`summarize`, as one call would) and its speedup taken against the
-    pooled AR. Returns (rows, calls, the pooled AR summary)."""
+    pooled AR. ``offset`` turns the order again (a repeat's). Returns (rows, calls, the pooled AR summary)."""
     ar_records, pooled = [], {}  # pooled[(label, draft vocab, setting)] = {"records", "depth", "identical", ...}
     for i, prompt in enumerate(prompts):
         ar = evaluate_drafter(verifier, [prompt], method="none", costs=False, **common).per_prompt["ar"]
         ar_records += ar
-        for label, _, options in jobs[i % len(jobs):] + jobs[:i % len(jobs)]:  # each job first in turn
+        first = (i + offset) % len(jobs)
+        for label, _, options in jobs[first:] + jobs[:first]:  # each job first in turn
             result = evaluate_drafter(verifier, [prompt], reference=ar, costs=False, **options, **common)
             for setting, r in result.results.items():
                 if setting == "ar":
@@ -142,6 +153,29 @@ def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, d
     return rows, calls, ar_summary
 
 
+def merge_repeats(passes: list[tuple[list[dict], list[dict], dict]]) -> tuple[list[dict], list[dict], dict]:
+    """The interleaved passes of ``--repeats`` as one result, rows matched by (drafter, draft vocab, setting): each
+    row the first pass's, its ``speedup`` the median over the passes with ``speedup_min`` / ``speedup_max`` and
+    every pass's value in ``speedup_repeats``; τ and identity of every pass kept (``tau_repeats``,
+    ``identical_repeats``; at T = 0 they are the same in every pass unless a pass parted: then
+    ``identical_turns`` is the worst pass's). The AR summary is the first pass's, with every pass's tokens/s;
+    calls are the first pass's."""
+    rows, calls, ar = passes[0]
+    by_key = [{(r["drafter"], r["draft_vocab"], r["setting"]): r for r in rows_p} for rows_p, _, _ in passes]
+    for row_ in rows:
+        key = (row_["drafter"], row_["draft_vocab"], row_["setting"])
+        if any(key not in keyed for keyed in by_key):
+            raise SpectrainError(f"the repeats produced different rows: {key} is missing from one")
+        same = [keyed[key] for keyed in by_key]
+        speedups = [s["speedup"] for s in same]
+        identical = [s["identical_turns"] for s in same]
+        row_.update(speedup=statistics.median(speedups), speedup_min=min(speedups), speedup_max=max(speedups),
+                    speedup_repeats=speedups, tau_repeats=[s["tau"] for s in same], identical_repeats=identical,
+                    identical_turns=min(identical, key=lambda v: int(v.split("/")[0])))
+    ar = {**ar, "tokens_per_second_repeats": [a["tokens_per_second"] for _, _, a in passes]}
+    return rows, calls, ar
+
+
 def confidence_levels(spec: str) -> list[float]:
     try:
         out = [float(x) for x in spec.split(",")]
@@ -176,7 +210,9 @@ def run(args: argparse.Namespace, command: str):
     for flag, names in (("--hybrid", hybrids), ("--min_confidence", confidences), ("--k_of", chains)):
         if set(names) - set(paths):
             raise SpectrainError(f"{flag} names {sorted(set(names) - set(paths))}, not a --drafter")
-    verifier = load_verifier(args.verifier, dtype=torch.bfloat16)
+    dtype, dtype_choice = (decode_dtype("cpu") if args.dtype == "auto" else
+                           (getattr(torch, args.dtype), {"rule": "set by --dtype"}))
+    verifier = load_verifier(args.verifier, dtype=dtype)
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, first_turns=True, spread=True)
     common = dict(max_new_tokens=args.max_new_tokens, hf_generate=0)
     warm = evaluate_drafter(verifier, prompts[:2], method="none", max_new_tokens=16, hf_generate=0)  # untimed
@@ -205,7 +241,8 @@ def run(args: argparse.Namespace, command: str):
             jobs.append((f"{name}-conf{level:g}", path, dict(method=method, drafter=drafter, k=k,
                                                              min_confidence=level)))
     if args.interleave:  # AR of every prompt decoded beside its drafters (pooled); no separate AR passes
-        rows, calls, ar_summary = interleaved(verifier, prompts, jobs, common)
+        rows, calls, ar_summary = merge_repeats([interleaved(verifier, prompts, jobs, common, offset=r)
+                                                 for r in range(args.repeats)])
         ar_end = None
     else:
         ar = evaluate_drafter(verifier, prompts, method="none", **common)
@@ -225,7 +262,8 @@ def run(args: argparse.Namespace, command: str):
     summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "verifier": args.verifier,
                "drafters": paths, "prompts": args.prompts, "num_prompts": len(prompts),
                "ar_each": args.ar_each and not args.interleave, "interleave": args.interleave,
-               "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16", "device": "cpu",
+               "max_new_tokens": args.max_new_tokens, "dtype": str(dtype).removeprefix("torch."),
+               "dtype_choice": dtype_choice, "repeats": args.repeats, "cpu": cpu_record(), "device": "cpu",
                "threads": torch.get_num_threads(), "batch_invariant": warm.batch_invariant,
                "ar": {"tokens_per_second": ar_summary["tokens_per_second"],
                       "decode_ms_per_token": ar_summary["decode_ms_per_token"],
@@ -233,8 +271,13 @@ def run(args: argparse.Namespace, command: str):
                "rows": rows, "calls": calls}
     table = format_table(["drafter", "draft vocab", "setting", "tau", "draft/verify", "speedup", "ideal", "same as AR"],
                          [[r["drafter"], r["draft_vocab"], r["setting"], r["tau"], r["draft_over_verify"],
-                           r["speedup"], r["ideal_speedup"], r["identical_turns"]] for r in rows],
-                         title=f"ranked draft heads: {len(prompts)} prompts x {args.max_new_tokens} tokens, bf16; AR "
+                           f"{r['speedup']:.3f}" + (f" ({r['speedup_min']:.3f}-{r['speedup_max']:.3f})"
+                                                     if "speedup_min" in r else ""),
+                           r["ideal_speedup"], r["identical_turns"]] for r in rows],
+                         title=f"ranked draft heads: {len(prompts)} prompts x {args.max_new_tokens} tokens, "
+                               f"{summary['dtype']}, {cpu_line(summary['cpu'])}"
+                               + (f", speedup median (min-max) of {args.repeats} interleaved passes" if args.repeats > 1
+                                  else "") + "; AR "
                                f"{ar_summary['tokens_per_second']:.1f} tok/s " + (
                                    "(pooled over the prompts, interleaved)" if ar_end is None else
                                    f"(at the end: {ar_end['tokens_per_second']:.1f})"))

@@ -57,6 +57,7 @@ from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, fi
 
 from spectrain.heads.dflash_gguf import write_dflash_gguf  # noqa: E402
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map  # noqa: E402
+from spectrain.eval.decode_dtype import cpu_record  # noqa: E402
 from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
 from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
 from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
@@ -468,7 +469,7 @@ def run(args, command: str = "") -> Path:
                                f"{args.max_new_tokens} new tokens, draft {args.k}, T=0, {args.threads} threads, "
                                f"{args.kv_cache} KV cache")
     summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "llama_cpp": LLAMA_CPP_VERSION,
-               "llama_server_version": binary_version(server), "verifier": args.verifier, "target_gguf": str(target),
+               "llama_server_version": binary_version(server), "cpu": cpu_record(), "verifier": args.verifier, "target_gguf": str(target),
                "prompts": args.prompts, "num_prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens,
                "k": args.k, "threads": args.threads, "kv_cache": args.kv_cache, "tolerance": args.tolerance,
                "llama_cpp_greedy_equals_our_ar": f"{ar_match}/{len(prompt_ids)}",

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import statistics
 import subprocess
@@ -51,6 +50,7 @@ from engine_check import first_turns, strip_eos  # noqa: E402
 from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, draft_time,  # noqa: E402
                               find_binary, rounds_and_tau)
 
+from spectrain.eval.decode_dtype import cpu_line, cpu_record  # noqa: E402
 from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
 from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
 from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
@@ -147,21 +147,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.repeats < 1 or args.num_prompts < 1:
         p.error("--repeats and --num_prompts must be >= 1")
     return args
-
-
-def cpu_name() -> dict:
-    """The CPU a figure was measured on: model, cores and whether bf16 / AMX are native (lscpu's flags)."""
-    info = {"machine": platform.machine(), "cores": None, "model": platform.processor()}
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return info
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    info.update(model=fields.get("Model name", "").strip(), cores=int(fields.get("CPU(s)", "0").strip() or 0),
-                avx2="avx2" in flags, avx512f="avx512f" in flags, avx512_bf16="avx512_bf16" in flags,
-                amx_bf16="amx_bf16" in flags)
-    return info
 
 
 def modes(args, drafts: dict[str, Path]) -> dict[str, list[str]]:
@@ -507,16 +492,15 @@ def run(args, command: str = "") -> Path:
                  for p, rows_p in par.items() for m, r in rows_p.items()],
                 title=f"llama.cpp, target {tname}: P slots, P concurrent clients over {len(prompt_ids)} prompts "
                       f"(wall clock, prefill included), {args.repeats} repeats"))
-    cpu = cpu_name()
+    cpu = {**cpu_record(), "threads": args.threads}  # llama.cpp's threads, not torch's
     record = {"command": command, "date": time.strftime("%Y-%m-%d"), "cpu": cpu, "threads": args.threads,
               "llama_cpp": LLAMA_CPP_VERSION, "llama_server_version": binary_version(server),
               "verifier": args.verifier, "drafter": args.drafter,
               "draft_gguf": {d: str(path) for d, path in drafts.items()}, "prompts": args.prompts,
               "num_prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "targets": results, "seconds": round(time.time() - start, 1)}
-    tables.append(f"CPU: {cpu.get('model')}, {cpu.get('cores')} cores (avx2 {cpu.get('avx2')}, avx512_bf16 "
-                  f"{cpu.get('avx512_bf16')}, amx_bf16 {cpu.get('amx_bf16')}); speedup = pooled tok/s over plain's "
-                  "in the same repeat, median and min-max over repeats")
+    tables.append(f"CPU: {cpu_line(cpu)}; speedup = pooled tok/s over plain's in the same repeat, median and "
+                  "min-max over repeats")
     return finish(record, out / "llama_cpp_speed.json", tables)
 
 

@@ -85,8 +85,10 @@ def llama_cpp_facts(check_path: str, speed_path: str, name: str) -> dict:
                       "tau_ours": round(row["tau_ours"], 3), "tau_llama_cpp": round(row["tau_llama_cpp"], 3),
                       "prompts": check["num_prompts"], "max_new_tokens": check["max_new_tokens"]},
             "speed": {"file": speed_path, "command": speed["command"], "threads": speed["threads"],
-                      "repeats": speed["repeats"], "cpu": f"{cpu.get('cores')}-core {cpu.get('model')}"
-                      + (", AMX" if cpu.get("amx_bf16") else ", no AMX"), "targets": targets},
+                      "repeats": speed["repeats"], "cpu": f"{cpu.get('cpus') or cpu.get('cores')}-CPU {cpu.get('model')}"
+                      + (", AVX512-BF16" if cpu.get("avx512_bf16") else ", AVX2 only" if cpu.get("avx2") and not
+                         cpu.get("avx512f") else "") + (", AMX" if cpu.get("amx_bf16") else ", no AMX"),
+                      "targets": targets},
             "llama_cpp": check.get("llama_cpp")}
 
 

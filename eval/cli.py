@@ -18,7 +18,7 @@ from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, resolve_dtype
 
-from .decode_dtype import decode_dtype
+from .decode_dtype import cpu_record, decode_dtype
 from .evaluate import Settings, evaluate_drafter, load_drafter, methods
 from .families import learned_methods
 from .plots import write_plots
@@ -164,7 +164,7 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     out_dir = Path(args.out or f"runs/eval/{args.method}-{Path(args.verifier.replace(':', '-')).name}")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"command": command or "spectrain-eval", "verifier": args.verifier, "drafter": args.drafter,
-               "prompts": args.prompts, "dtype_choice": dtype_choice, **result.to_dict()}
+               "prompts": args.prompts, "dtype_choice": dtype_choice, "cpu": cpu_record(), **result.to_dict()}
     summary["plots"] = write_plots(summary, out_dir)
     return finish(summary, out_dir / "eval.json", tables=tables(summary))
 

@@ -9,6 +9,10 @@ flipped between runs of the same command, and with it τ and the lossless check.
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+
 import torch
 
 from spectrain.heads.precision import bf16_is_native
@@ -21,3 +25,33 @@ def decode_dtype(device: str | torch.device) -> tuple[torch.dtype, dict]:
         where = "CUDA device" if device.type == "cuda" else "CPU (AMX / AVX512-BF16)"
         return torch.bfloat16, {"rule": f"bf16: native bf16 matrix multiplies on this {where}"}
     return torch.float32, {"rule": f"fp32: no native bf16 on this {device.type}"}
+
+
+def cpu_record() -> dict:
+    """The CPU a speed figure was measured on: model, logical CPUs, torch's threads, the vector extensions that
+    decide the dtype (AVX2, AVX-512, AVX512-BF16, AMX-BF16) and whether bf16 is native (``lscpu``; on a machine
+    without it only the architecture and threads are known)."""
+    info = {"machine": platform.machine(), "model": platform.processor() or None, "cpus": None,
+            "threads": torch.get_num_threads(), "bf16_native": bf16_is_native("cpu")}
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "LC_ALL": "C"}).stdout  # English field names
+    except (OSError, subprocess.SubprocessError):
+        return info
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in text.splitlines() if ":" in line)}
+    flags = set(fields.get("Flags", "").split())
+    info.update(model=fields.get("Model name") or info["model"], cpus=int(fields.get("CPU(s)", "0") or 0) or None,
+                family=fields.get("CPU family"), model_id=fields.get("Model"),
+                avx2="avx2" in flags, avx512f="avx512f" in flags, avx512_bf16="avx512_bf16" in flags,
+                amx_bf16="amx_bf16" in flags)
+    return info
+
+
+def cpu_line(cpu: dict) -> str:
+    """One line naming a CPU record: 'AMD EPYC, 2 CPUs (AVX2; bf16 emulated), 2 threads'."""
+    ext = [name for key, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
+                                  ("avx2", "AVX2")) if cpu.get(key)]
+    bf16 = "bf16 native" if cpu.get("bf16_native") else "bf16 emulated"
+    ids = f" (family {cpu['family']}, model {cpu['model_id']})" if cpu.get("family") else ""
+    return (f"{cpu.get('model') or cpu.get('machine')}{ids}, {cpu.get('cpus') or '?'} CPUs "
+            f"({', '.join(ext + [bf16])}), {cpu.get('threads')} threads")

@@ -183,7 +183,8 @@ def _soft_vocab(model) -> torch.Tensor:
 def test_sampled_block_drafts_follow_the_verifier_distribution(soft, kw, dynamic):
     drafter = oracle(soft, 2, _soft_vocab(soft), dynamic=dynamic, **kw)
     drafter.noise = 0.5
-    assert min(p_values(soft, drafter)) > 1e-3  # two tests per case; the negative control below gives < 1e-6
+    p = p_values(soft, drafter)
+    assert len(p) == 2 and min(p) > 1e-3  # the round's first and second tokens both tested; the control: < 1e-6
 
 
 def _confident(drafter, scale: float = 8.0, bias: float = 0.0, markov: float = 1.0):
@@ -339,6 +340,8 @@ def test_every_loss_trains(loss, kw, verifier_factory):
 
 def test_a_trained_run_measures_tau_evaluates_and_reloads(verifier_factory, tmp_path):
     from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+    from spectrain.eval.families import learned_drafter
+    from spectrain.eval.tree import Tree
     from spectrain.heads.verifier import load_verifier
     from spectrain.train.dflash import DFlashModule
 
@@ -352,11 +355,26 @@ def test_a_trained_run_measures_tau_evaluates_and_reloads(verifier_factory, tmp_
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
     metrics = module.last_val_metrics
-    assert metrics["tau_measured"] >= 1.0 and 1.0 <= metrics["tau_pred"] <= 4.0 and "slot3_top1_ver" in metrics
+    assert set(metrics) >= {"tau_measured", "tau_pred", "slot3_top1_ver"}
     run = module.export(tmp_path / "run", module.plain_drafter())
     verifier = load_verifier(verifier_dir, dtype=torch.float32)
     drafter = load_drafter(str(run), verifier, "dflash")
     assert isinstance(drafter, DFlashDrafter)
+    # the τ validation logged is the exported drafter's: its prompts decoded again from the saved files
+    chain = learned_drafter(drafter, verifier.model, Tree.chain(3))
+    prompts = module.tau_meter.prompts
+    runner = StaticCausalLM(verifier.model, max_len=max(len(p) for p in prompts) + 6 + 3 + 2)  # as TauMeter sizes it
+    outs = [generate(runner, chain, prompt, 6, generator=torch.Generator().manual_seed(0)) for prompt in prompts]
+    assert len(outs) == 2 and metrics["tau_measured"] == sum(sum(o.emitted_per_round) for o in outs) / sum(
+        len(o.accept_lengths) for o in outs)
+    # τ predicted from validation counts, by hand: slots 1-3 hit [1,1,0,1], [1,0,1,1], [1,1,1,0] at four anchors
+    # lead with runs 3, 1, 0, 2 -> τ_pred = 1 + 6 / 4 = 2.5, and each slot's top-1 is 3 / 4
+    hits = [torch.tensor([[1, 1, 0, 1]]).bool(), torch.tensor([[1, 0, 1, 1]]).bool(), torch.tensor([[1, 1, 1, 0]]).bool()]
+    counts = module.chain_counts(hits, [torch.ones(1, 4, dtype=torch.bool)] * 3)
+    assert (int(counts["chain_n"]), int(counts["chain_len"])) == (4, 6)
+    sums = {**counts, **{f"n_{j}": torch.tensor(4) for j in range(3)}, **{f"top1_ver_{j}": torch.tensor(3) for j in range(3)}}
+    assert module.val_metrics(sums) == {"slot1_top1_ver": 0.75, "slot2_top1_ver": 0.75, "slot3_top1_ver": 0.75,
+                                        "tau_pred": 2.5}
     prompts = [["the king sat on the mat"], ["where is the river"]]
     result = evaluate_drafter(verifier, prompts, method="dflash", drafter=drafter, k=3, max_new_tokens=12,
                               hf_generate=0, costs=False, chat_template=False)
@@ -442,6 +460,16 @@ def test_dropping_the_confidence_head_keeps_every_draft_and_exports_dflash(bigra
         assert len(blocks["body"]) == len(blocks["dspark"]) > 3
         assert all(torch.equal(a, b) for a, b in zip(blocks["body"], blocks["dspark"]))
         assert outputs["body"] == outputs["dspark"]
+    # Control: the comparison above runs without a confidence cut, where DSpark drafts as its body does; with the
+    # cut (the one thing the dropped head did) the same decoding drafts other chains, so it can tell them apart.
+    drafted = {}
+    for name, chain in (("body", DFlashChainDrafter(body, model, 4)),
+                        ("cut", DFlashChainDrafter(drafter, model, 4, min_confidence=0.5))):
+        real, seen = chain.propose, drafted.setdefault(name, [])
+        chain.propose = lambda state, real=real, seen=seen: seen.append(real(state)) or seen[-1]
+        generate(runner, chain, PROMPT, 24, Sampling())
+    lengths = {name: [len(p.tokens) for p in proposals] for name, proposals in drafted.items()}
+    assert set(lengths["body"]) == {4} and lengths["cut"] != lengths["body"], lengths
     in_bf16 = without_confidence_head(drafter_for(model, confidence_head=True).to(torch.bfloat16))
     assert in_bf16.fc.weight.dtype == torch.bfloat16  # the drafter's own dtype, not a fresh fp32 module
     drafter.save_pretrained(tmp_path / "run")
@@ -694,7 +722,12 @@ def test_engine_check_verdicts_can_fail():
     assert ok and note.startswith(" (caught") and "would not" in note  # τ 2.05 is inside the band
     ok, note, _ = judge(wrong, run(), ours, greedy, 0.1, 7, 3)
     assert not ok and "NOT caught" in note
-    control = {"control_token": 7, "expected": expected}  # 7 runs: [7, 7] after the first token, then [7, 7]
-    predicted = load_script("engine_check").predicted_acceptance(greedy, 7, 3)["num_accepted_tokens"]
+    control = {"control_token": 7, "expected": expected}
+    # by hand: each output's one round (after the prefill token) sees 7, 7 then another token: 2 + 2 accepted
+    predicted = 4
+    predicted_acceptance = load_script("engine_check").predicted_acceptance
+    assert predicted_acceptance(greedy, 7, 3) == {"num_drafts": 2, "num_accepted_tokens": predicted}
+    # and rounds that accept a whole chain: [5 | 7 7 (1) | 7 7 (7) | (2)] at k = 2 is 3 rounds, 2 + 2 + 0
+    assert predicted_acceptance([[5, 7, 7, 1, 7, 7, 7, 2]], 7, 2) == {"num_drafts": 3, "num_accepted_tokens": 4}
     assert judge(control, run(accepted=predicted), ours, greedy, 0.1, 7, 3)[0]
     assert not judge(control, run(accepted=predicted + 1), ours, greedy, 0.1, 7, 3)[0]

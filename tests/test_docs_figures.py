@@ -17,8 +17,10 @@ input and expects it to complain. No network, no ``../shared``.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -297,8 +299,70 @@ def index_problems(results_page: str, results_dir: Path) -> list[str]:
         elif date != str(data["date"])[:10]:
             problems.append(f"docs/results.md dates {path.name} {date!r}, the file {str(data['date'])[:10]!r}")
         spans = re.findall(r"`([^`]+)`", command)
-        if not spans or spans[0] != recorded_command(data):
+        if not isinstance(data.get("command"), str):
+            problems.append(f"{path.name} records no command")
+        elif not spans or spans[0] != recorded_command(data):
             problems.append(f"docs/results.md's command for {path.name} is not the one the file records")
+    return problems
+
+
+# README's speed table: its rows, the key of each in the files, and the files that hold each CPU class's passes.
+SPEED_HEADER = ("| drafter, setting | AVX2 only (fp32): τ | AVX2 only (fp32): speedup, 3 passes | same as AR "
+                "| native bf16 (bf16): τ | native bf16: speedup (passes) | same as AR |")
+SPEED_ROWS = {
+    "EAGLE-1 (`smollm2-eagle1`), chain 5": ("eagle1", "chain-5"),
+    "EAGLE-1, chain 2": ("eagle1", "chain-2"),
+    "EAGLE-1, dynamic tree 6, 4, 16": ("eagle1", "dynamic-6x4-16"),
+    "hybrid (lookup + EAGLE-1), chain 5": ("hybrid-eagle1", "chain-5"),
+    "hybrid (lookup + EAGLE-1), dynamic tree 6, 4, 16": ("hybrid-eagle1", "dynamic-6x4-16"),
+    "EAGLE-3 (`smollm2-eagle3`), chain 5": ("eagle3", "chain-5"),
+    "EAGLE-3, dynamic tree 6, 4, 16": ("eagle3", "dynamic-6x4-16"),
+    "DFlash with DSpark's confidence cut (P = 0.1), chain 7 (not shipped)": ("dflash-conf0.1", "chain-7"),
+}
+SPEED_AVX2 = "speed_avx2.json"
+SPEED_NATIVE_BF16 = ("hybrid_interleaved.json", "hybrid_interleaved_rerun.json", "short_chains.json",
+                     "short_chains_rerun.json", "block_drafters.json")
+
+
+def speed_rows(results_dir: Path) -> list[str]:
+    """README's speed table as the files give it: AVX2 cells from the repeated run (median, min-max of its
+    passes), native-bf16 cells pooled over the committed single passes of the same settings (each file one
+    interleaved pass over the same 16 turns; n passes named)."""
+    def keyed(name):
+        data = json.loads(read(results_dir / name))
+        return {(r["drafter"], r["setting"]): r for r in data["rows"] if r["draft_vocab"] in (8192, None)}
+
+    avx2, native = keyed(SPEED_AVX2), [keyed(name) for name in SPEED_NATIVE_BF16]
+    lines = [SPEED_HEADER, "|---|---|---|---|---|---|---|"]
+    for label, key in SPEED_ROWS.items():
+        cells = [label]
+        r = avx2.get(key)
+        cells += ([f"{r['tau']:.3f}", f"{r['speedup']:.3f}× ({r['speedup_min']:.3f}–{r['speedup_max']:.3f})",
+                   r["identical_turns"]] if r else ["–"] * 3)
+        passes = [n[key] for n in native if key in n]
+        if passes:
+            v = [p["speedup"] for p in passes]
+            same = sorted({p["identical_turns"] for p in passes})
+            cells += [f"{passes[0]['tau']:.3f}",
+                      f"{v[0]:.3f}× (1 pass)" if len(v) == 1 else
+                      f"{statistics.median(v):.3f}× ({min(v):.3f}–{max(v):.3f}, {len(v)} passes)", ", ".join(same)]
+        else:
+            cells += ["–"] * 3
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def speed_table_problems(readme: str, results_dir: Path) -> list[str]:
+    """Every row of README's speed table equals the files' (both ways: no row missing, none extra)."""
+    want = speed_rows(results_dir)
+    lines = readme.splitlines()
+    if SPEED_HEADER not in lines:
+        return ["README has no speed table"]
+    start = lines.index(SPEED_HEADER)
+    have = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
+    problems = [f"README speed row {h!r} is not the files' {w!r}" for h, w in zip(have, want) if h != w]
+    if len(have) != len(want):
+        problems.append(f"README's speed table has {len(have) - 2} rows, the files {len(want) - 2}")
     return problems
 
 
@@ -495,3 +559,16 @@ def test_machine_only_paths_and_broken_links_are_caught(tmp_path):
     page.write_text(text)
     assert link_problems({page: text}) == ["p.md: no heading for #nope in q.md", "p.md: link to missing gone.md",
                                            "p.md: no heading for #here in p.md"]
+
+
+def test_readme_speed_table_equals_the_files():
+    assert speed_table_problems(read(ROOT / "README.md"), RESULTS) == []
+
+
+def test_a_changed_speed_cell_is_caught():
+    readme = read(ROOT / "README.md")
+    row = speed_rows(RESULTS)[2]
+    broken = readme.replace(row, row.replace("×", "x", 1))
+    assert broken != readme and len(speed_table_problems(broken, RESULTS)) == 1
+    assert speed_table_problems(readme.replace(row + "\n", ""), RESULTS)[-1].startswith("README's speed table has")
+

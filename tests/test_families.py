@@ -4,6 +4,9 @@ import with no library edits; and a drafter, method or layer of no registered fa
 
 from __future__ import annotations
 
+import collections
+import copy
+
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -169,7 +172,7 @@ def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigr
     with torch.no_grad():
         assert float(module.drafter_loss(probe, module.features(probe))[0]) < before  # it trained
     metrics = module.last_val_metrics
-    assert metrics["tau_measured"] >= 1.0 and 0.0 <= metrics["alpha1_measured"] <= 1.0 and "tau_pred" in metrics
+    assert set(metrics) >= {"tau_measured", "alpha1_measured", "tau_pred"}
     run = module.export(tmp_path / "run", module.plain_drafter())
 
     # evaluate: the registered method; T = 0 output equals AR
@@ -180,6 +183,24 @@ def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigr
     result = evaluate_drafter(verifier, prompts, method="bigram", drafter=head, k=1, max_new_tokens=12,
                               hf_generate=0, costs=False, chat_template=False)
     assert result.method == "bigram" and result.results["chain-1"]["identical_to_ar"]
+    # A control whose acceptance is known: the head rigged to propose AR's most frequent token every round. By
+    # hand over AR's outputs (the first token is the prefill's), a round at position p accepts iff out[p] is it.
+    outputs = [t["tokens"] for r in result.per_prompt["ar"] for t in r["turns"]]
+    token = collections.Counter(x for out in outputs for x in out[1:]).most_common(1)[0][0]
+    rounds = accepted = emitted = 0
+    for out in outputs:
+        p = 1
+        while p < len(out):
+            hit = out[p] == token  # accepted: out[p] is emitted as the draft, out[p + 1] as the bonus (if room)
+            rounds, accepted, emitted, p = rounds + 1, accepted + hit, emitted + min(1 + hit, len(out) - p), p + 1 + hit
+    constant = copy.deepcopy(head)
+    with torch.no_grad():
+        constant.proj.weight.zero_()
+        constant.proj.bias.copy_(torch.nn.functional.one_hot(torch.tensor(token), head.proj.bias.numel()).float())
+    rigged = evaluate_drafter(verifier, prompts, method="bigram", drafter=constant, k=1, max_new_tokens=12,
+                              hf_generate=0, costs=False, chat_template=False).results["chain-1"]
+    assert accepted > 0 and rigged["identical_to_ar"] and rigged["verifier_forwards"] == rounds
+    assert rigged["tau"] == pytest.approx(emitted / rounds)
     with pytest.raises(SpectrainError, match="2 deep but the drafter drafts at most 1 deep"):
         evaluate_drafter(verifier, prompts, method="bigram", drafter=head, k=2, max_new_tokens=4, hf_generate=0,
                          costs=False, chat_template=False)

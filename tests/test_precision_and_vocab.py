@@ -365,3 +365,34 @@ def test_decode_dtype_is_a_rule_no_timer_can_flip(monkeypatch):
     assert verify_sizes(Settings(method="medusa", k=4, tree="auto:32")) == [1, 5, 33]
     assert verify_sizes(Settings(method="eagle", k=4, dynamic_tree=(6, 8, 64))) == [1, 5, 65]
     assert verify_sizes(Settings(method="hybrid", k=4, tree="auto:32")) == [1, 5, 37]  # + the lookup branch
+
+
+def test_the_cpu_record_names_the_class_a_speed_was_measured_on(monkeypatch):
+    """lscpu's fields and flags -> the record every speed JSON carries, and its one-line name; without lscpu the
+    record still says what it knows (the architecture, torch's threads, whether bf16 is native)."""
+    import subprocess
+    import types
+
+    from spectrain.eval import decode_dtype as dd
+
+    amx = ("Model name:   Intel(R) Xeon(R) Platinum 8488C\nCPU(s):  2\nCPU family:  6\nModel:  143\n"
+           "Flags:   fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    monkeypatch.setattr(dd.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=amx))
+    record = dd.cpu_record()
+    assert {k: record[k] for k in ("model", "cpus", "family", "model_id", "avx2", "avx512_bf16", "amx_bf16")} == {
+        "model": "Intel(R) Xeon(R) Platinum 8488C", "cpus": 2, "family": "6", "model_id": "143", "avx2": True,
+        "avx512_bf16": True, "amx_bf16": True}
+    record["bf16_native"], record["threads"] = True, 2
+    assert dd.cpu_line(record) == ("Intel(R) Xeon(R) Platinum 8488C (family 6, model 143), 2 CPUs "
+                                   "(AMX-BF16, AVX512-BF16, AVX-512, AVX2, bf16 native), 2 threads")
+    avx2 = amx.replace("Intel(R) Xeon(R) Platinum 8488C", "AMD EPYC").replace(" avx512f avx512_bf16 amx_bf16 amx_tile", "")
+    monkeypatch.setattr(dd.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=avx2))
+    record = {**dd.cpu_record(), "bf16_native": False, "threads": 2}
+    assert dd.cpu_line(record) == "AMD EPYC (family 6, model 143), 2 CPUs (AVX2, bf16 emulated), 2 threads"
+
+    def missing(*a, **k):
+        raise FileNotFoundError("lscpu")
+
+    monkeypatch.setattr(dd.subprocess, "run", missing)
+    record = dd.cpu_record()
+    assert record["cpus"] is None and "avx2" not in record and isinstance(record["bf16_native"], bool)

@@ -79,6 +79,17 @@ def test_a_turn_without_rounds_reports_no_round_costs():
     assert in_loop_costs(summary, summary)["ideal_speedup"] is None
 
 
+def test_in_loop_costs_on_a_hand_computed_round():
+    """Pinned by hand: a round of 2 ms drafting + 8 ms verify + 1 ms other at τ 2.5, AR at 6 ms a token, a
+    measured speedup of 1.2: draft/verify 2/8 = 0.25; ideal 2.5 × 6 / (2 + 8) = 1.5; measured / ideal 0.8."""
+    from spectrain.eval.evaluate import in_loop_costs
+
+    chain = {"round_ms": {"draft": 2.0, "verify": 8.0, "other": 1.0}, "tau": 2.5, "speedup": 1.2}
+    ar = {"round_ms": {"draft": 0.0, "verify": 6.0, "other": 0.0}, "decode_ms_per_token": 6.0}
+    assert in_loop_costs(chain, ar) == pytest.approx(
+        {"draft_over_verify": 0.25, "ideal_speedup": 1.5, "speedup_vs_ideal": 0.8})
+
+
 @pytest.mark.parametrize("method", ["ngram"])
 def test_ideal_and_planner_come_from_the_rounds(verifier_factory, method):
     """speedup / ideal is the share of a round spent in the two passes; draft/verify is the rounds' own ratio;

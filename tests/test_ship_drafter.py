@@ -59,7 +59,7 @@ def test_llama_cpp_facts_pick_each_targets_best_median_and_this_drafters_row(tmp
     assert (f32["drafter"]["mode"], f32["drafter"]["speedup"], f32["drafter"]["min"]) == ("eagle3-k4-p0.5", 0.94, 0.9)
     assert (f32["ngram"]["mode"], f32["ngram"]["max"]) == ("ngram-mod", 1.01)
     assert (q41["drafter"]["mode"], q41["ngram"]["mode"], q41["plain_tok_per_s"]) == ("eagle3-k6-p0.8", "ngram-map-k", 130.0)
-    assert facts["speed"]["cpu"] == "2-core Test CPU, no AMX"
+    assert facts["speed"]["cpu"] == "2-CPU Test CPU, no AMX"
     text = ship.llama_cpp_text({"method": "eagle3", "name": "smollm2-eagle3", "verifier": "bundled:smollm2",
                                 "llama_cpp": facts})
     assert "| f32 | 49.3 | 0.940× (0.900–0.970), `eagle3-k4-p0.5`, τ 1.550 | 0.980× (0.960–1.010), `ngram-mod` |" in text
