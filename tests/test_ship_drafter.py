@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from spectrain.heads.errors import SpectrainError
+
 from .scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,24 +94,28 @@ def test_refresh_refuses_bad_input_with_exit_2(tmp_path, case, capsys):
 
 
 @needs_smollm2
-def test_refresh_renders_the_card_and_measures_the_gguf_export_without_touching_the_weights(tmp_path):
+def test_refresh_renders_the_card_and_ships_the_gguf_without_touching_the_weights(tmp_path):
     ship = load_script("ship_drafter")
     card_dir = tmp_path / "smollm2-eagle3"
     shutil.copytree(SHIPPED, card_dir)
     weights = hashlib.sha256((card_dir / "model.safetensors").read_bytes()).hexdigest()
+    (card_dir / "smollm2-eagle3-q8_0.gguf").write_bytes(b"stale")  # a stale file is replaced, not kept
     check, speed = stubs(tmp_path)
     assert ship.main([str(card_dir), "--refresh", "--llama_cpp_check", str(check), "--llama_cpp_speed", str(speed)]) \
         == card_dir / "card.json"
     card = json.loads((card_dir / "card.json").read_text())
     readme = (card_dir / "README.md").read_text()
     g = card["gguf"]
-    assert g["q8_0_deterministic"] and g["f32_deterministic"]  # the card's "written, not shipped" rests on it
+    shipped = card_dir / g["file"]
+    assert g["file"] == "smollm2-eagle3-q8_0.gguf" and g["deterministic"]
+    assert hashlib.sha256(shipped.read_bytes()).hexdigest() == g["sha256"]
+    assert shipped.read_bytes()[:4] == b"GGUF"
     assert 1 < g["q8_0_mb"] < g["f32_mb"]  # q8_0 is about a quarter of f32
-    assert f"{g['q8_0_mb']} MB at q8_0 ({g['f32_mb']} MB at f32" in readme
+    assert f"-md pretrained/smollm2-eagle3/{g['file']}" in readme and f"({g['q8_0_mb']} MB, q8_0" in readme
     assert card["llama_cpp"]["speed"]["targets"]["q4_1"]["ngram"]["mode"] == "ngram-map-k"
     assert "## Serve with llama.cpp" in readme and "`eagle3-k6-p0.8`" in readme
     assert hashlib.sha256((card_dir / "model.safetensors").read_bytes()).hexdigest() == weights
-    assert not list(card_dir.glob("*.tmp"))
+    assert not list(card_dir.glob("*.tmp")) and sorted(p.name for p in card_dir.iterdir() if p.is_dir()) == []
 
 
 def test_the_cards_budget_is_the_tests_budget():
@@ -117,3 +123,57 @@ def test_the_cards_budget_is_the_tests_budget():
     budget = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(budget)
     assert load_script("ship_drafter").PRETRAINED_BUDGET_MB == budget.MAX_MB
+
+
+def test_reach_facts_from_a_card_directory(tmp_path):
+    """τ rising 0.1 per doubling (1.5 at 1M, 1.6 at 2M, 1.7 at 4M tokens, M = 2^20): the other card's 1.9 is two
+    doublings past 4M, 16M tokens, 4× the run's; a card measured on other prompts is refused."""
+    ship = load_script("ship_drafter")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "card.json").write_text(json.dumps({"name": "other", "tau_measured": 1.9, "measured_on": "16 held-out"}))
+    card = {"measured_on": "16 held-out", "trained_tokens": 4 * 2 ** 20,
+            "curve": [{"trained_tokens": 2 ** 20 * m, "tau_measured": t} for m, t in ((1, 1.5), (2, 1.6), (4, 1.7))]}
+    r = ship.reach_facts(card, str(other))
+    assert (r["per_doubling"], r["times"], r["points"]) == (0.1, 4.0, 3)
+    assert r["tokens"] == pytest.approx(16 * 2 ** 20, abs=2)
+    text = ship.reach_text({**card, "reach": r})
+    assert "+0.100 per doubling" in text and "~16.8M tokens, 4.0× this run's" in text
+    (other / "card.json").write_text(json.dumps({"name": "other", "tau_measured": 1.9, "measured_on": "8 others"}))
+    with pytest.raises(SpectrainError, match="same held-out prompts"):
+        ship.reach_facts(card, str(other))
+
+
+def test_speed_facts_take_the_cards_rows_and_refuse_single_passes(tmp_path):
+    ship = load_script("ship_drafter")
+
+    def r(drafter, vocab, setting, speedups):
+        return {"drafter": drafter, "draft_vocab": vocab, "setting": setting, "tau": 1.8, "draft_over_verify": 0.2,
+                "speedup": sorted(speedups)[1], "speedup_min": min(speedups), "speedup_max": max(speedups),
+                "identical_turns": "4/4"}
+
+    data = {"command": "python benchmarks/draft_heads.py ...", "date": "2026-12-04", "repeats": 3, "dtype": "float32",
+            "num_prompts": 4, "max_new_tokens": 128, "drafters": {"e1": "pretrained/smollm2-eagle1", "m": "runs/medusa"},
+            "cpu": {"model": "Test CPU", "cpus": 2, "threads": 2, "avx2": True, "bf16_native": False},
+            "rows": [r("e1", 8192, "chain-5", [0.9, 0.95, 1.0]), r("m", 8192, "chain-5", [2, 2, 2]),
+                     r("hybrid-e1", 8192, "chain-5", [0.8, 0.85, 0.9])]}
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps(data))
+    facts = ship.speed_facts(str(path), tmp_path / "smollm2-eagle1")
+    assert [(x["drafter"], x["speedup"], x["min"], x["max"]) for x in facts["rows"]] == \
+        [("e1", 0.95, 0.9, 1.0), ("hybrid-e1", 0.85, 0.8, 0.9)]  # the Medusa row is another drafter's
+    assert facts["cpu"].startswith("Test CPU, 2 CPUs (AVX2, bf16 emulated)") and not facts["bf16_native"]
+    text = ship.speed_text({"name": "smollm2-eagle1", "speed": facts}, tmp_path)
+    assert "| ranked 8,192 | chain-5 | 1.800 | 0.200 | 0.950× (0.900–1.000) | 4/4 |" in text
+    assert "native bf16" in text  # no repeated run there: the card says so
+    for broken in ({"repeats": 1}, {"cpu": None}, {"drafters": {"x": "pretrained/other"}}):
+        path.write_text(json.dumps({k: v for k, v in {**data, **broken}.items() if v is not None}))
+        with pytest.raises(SpectrainError, match="--repeats >= 3"):
+            ship.speed_facts(str(path), tmp_path / "smollm2-eagle1")
+
+
+def test_vocab_coverage_by_hand(tmp_path):
+    ship = load_script("ship_drafter")
+    (tmp_path / "vocab_ranking.json").write_text(json.dumps({"default_size": 2, "counts": [1, 5, 2, 2]}))
+    assert ship.vocab_coverage(tmp_path) == (2, 0.7)  # the two largest counts, 5 + 2, of 10
+    assert ship.vocab_coverage(tmp_path / "none") is None
