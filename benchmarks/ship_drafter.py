@@ -168,6 +168,8 @@ def speed_text(card: dict, drafter_dir: Path) -> str:
     if not sp or "rows" not in sp:
         return ""
     cover = vocab_coverage(drafter_dir)
+    ranking = drafter_dir / "vocab_ranking.json"
+    full_rows = read_json(ranking)["vocab_size"] if ranking.is_file() else None  # the verifier's whole vocabulary
     text = "\n## Draft head: which rows each engine drafts over\n\n"
     if cover:
         text += (f"`vocab_ranking.json` counts the tokens of its training prompts' original replies (written by "
@@ -178,8 +180,7 @@ def speed_text(card: dict, drafter_dir: Path) -> str:
                  f"vLLM serves the full head.\n\n")
 
     def head(r: dict) -> str:
-        rows = "full head" if not r["draft_vocab"] or (cover and r["draft_vocab"] > cover[0] * 4) else \
-            f"ranked {r['draft_vocab']:,}"
+        rows = "full head" if r["draft_vocab"] in (None, 0, full_rows) else f"ranked {r['draft_vocab']:,}"
         return ("hybrid with prompt lookup, " if r["drafter"].startswith("hybrid") else "") + rows
 
     native = "" if sp.get("bf16_native") else (
