@@ -6,8 +6,8 @@ figure a page quotes is the median over the runs with its min and max, with the 
         --method eagle --drafter runs/eagle3-bundled-tinyshakespeare-tinyshakespeare --k 4
 
 Everything after ``--`` is ``spectrain-eval``'s own flags (each run writes its ``eval.json`` under ``RUN_OUT/runN``
-where ``--out RUN_OUT`` is given there, else under ``OUT/runN`` for ``--out OUT.json``; each records the command
-with its own ``--out``). Writes one JSON (its path is the last line
+where ``--out RUN_OUT`` is given there, else under ``runs/repeat_eval/NAME/runN`` for ``--out …/NAME.json``, so the
+runs' plots never land beside a committed summary; each records the command with its own ``--out``). Writes one JSON (its path is the last line
 printed): ``command``, ``date``, ``cpu``, ``repeats``, ``settings`` (per setting: ``tau`` and identity of each run
 — the same at T = 0 —, ``speedup`` median / min / max and each run's, AR tokens/s of each run) and ``runs`` (each
 run's ``eval.json`` path and its summary rows).
@@ -60,7 +60,7 @@ def summarize_runs(evals: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace, eval_argv: list[str], command: str) -> Path:
-    base = Path(args.out).with_suffix("")
+    base = Path("runs") / "repeat_eval" / Path(args.out).stem
     evals, paths = [], []
     given = eval_args(eval_argv).out
     for i in range(args.repeats):

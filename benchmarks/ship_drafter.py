@@ -162,40 +162,58 @@ def vocab_coverage(drafter_dir: Path) -> tuple[int, float] | None:
     return ranking["default_size"], sum(counts[:ranking["default_size"]]) / max(sum(counts), 1)
 
 
+def card_speeds(card: dict) -> list[dict]:
+    """The card's speed tables, one per CPU class it was timed on (a card of before 2026-12-05 holds one, as a dict)."""
+    sp = card.get("speed") or []
+    return [sp] if isinstance(sp, dict) else list(sp)
+
+
 def speed_text(card: dict, drafter_dir: Path) -> str:
-    """The card's "Draft head" section: which rows each engine drafts over, and the measured speed table."""
-    sp = card.get("speed")
-    if not sp or "rows" not in sp:
+    """The card's "Draft head" section: which rows each engine drafts over, and a measured speed table for each CPU
+    class the card was timed on."""
+    speeds = [sp for sp in card_speeds(card) if "rows" in sp]
+    if not speeds:
         return ""
     cover = vocab_coverage(drafter_dir)
     ranking = drafter_dir / "vocab_ranking.json"
     full_rows = read_json(ranking)["vocab_size"] if ranking.is_file() else None  # the verifier's whole vocabulary
-    text = "\n## Draft head: which rows each engine drafts over\n\n"
+    text = ("\n## Draft head: which rows each engine drafts over\n\n" if cover else
+            "\n## Speed in spectrain's loop (its trained draft vocabulary)\n")
     if cover:
         text += (f"`vocab_ranking.json` counts the tokens of its training prompts' original replies (written by "
                  f"`spectrain-rank-vocab`): the {cover[0]:,} most frequent cover {100 * cover[1]:.1f} % of them. "
                  f"spectrain's evaluator drafts over those {cover[0]:,} rows by default (`--draft_vocab 0` for the "
                  f"full head); SGLang drafts over the same rows with `--speculative-token-map` after "
                  f"`spectrain-export pretrained/{card['name']} --format eagle-sglang` (it writes `token_map.pt`); "
-                 f"vLLM serves the full head.\n\n")
+                 f"vLLM serves the full head.\n")
 
     def head(r: dict) -> str:
-        rows = "full head" if r["draft_vocab"] in (None, 0, full_rows) else f"ranked {r['draft_vocab']:,}"
+        rows = ("full head" if r["draft_vocab"] in (None, 0, full_rows) else
+                f"ranked {r['draft_vocab']:,}" if cover else f"draft vocabulary {r['draft_vocab']:,}")
         return ("hybrid with prompt lookup, " if r["drafter"].startswith("hybrid") else "") + rows
 
-    native = "" if sp.get("bf16_native") else (
-        " On CPUs with native bf16 (AMX / AVX512-BF16) these settings have one pass so far, not a repeated run "
-        "([docs/evaluation.md](../../docs/evaluation.md#ranked-draft-heads)).")
-    lines = "\n".join(f"| {head(r)} | {r['setting']} | {r['tau']:.3f} | {r['draft_over_verify']:.3f} | "
-                      f"{r['speedup']:.3f}× ({r['min']:.3f}–{r['max']:.3f}) | {r['identical']} |" for r in sp["rows"])
-    return text + f"""| head | setting | MT-bench ({sp['prompts']}) τ | draft / verify pass | speedup over AR, median (min–max) | same text as AR |
+    if not any(sp.get("bf16_native") for sp in speeds):
+        text += ("On CPUs with native bf16 (AMX / AVX512-BF16) these settings have one pass so far, not a repeated "
+                 "run ([docs/evaluation.md](../../docs/evaluation.md#ranked-draft-heads)).\n")
+    for sp in speeds:
+        kind = "native bf16" if sp.get("bf16_native") else "no native bf16"
+        lines = "\n".join(f"| {head(r)} | {r['setting']} | {r['tau']:.3f} | {r['draft_over_verify']:.3f} | "
+                          f"{r['speedup']:.3f}× ({r['min']:.3f}–{r['max']:.3f}) | {r['identical']} |"
+                          for r in sp["rows"])
+        parted = "" if all(len(set(r["identical"].split("/"))) == 1 for r in sp["rows"]) else (
+            " A turn that parts from AR does so at a near-tie: the file records both paths' margins at each parting "
+            "(`divergences`; [why](../../docs/evaluation.md#precision-and-the-lossless-check)).")
+        text += f"""
+**{sp['cpu']}** ({kind}: {sp['dtype']}):
+
+| head | setting | MT-bench ({sp['prompts']}) τ | draft / verify pass | speedup over AR, median (min–max) | same text as AR |
 |---|---|---|---|---|---|
 {lines}
 
-{sp['dtype']}, {sp['max_new_tokens']} new tokens, {sp['cpu']}; AR and each setting interleaved prompt by prompt,
-{sp['repeats']} repeats; `{sp['file']}` ({sp['date']}, `benchmarks/draft_heads.py`). A range that reaches 1.0× is no
-speedup on that CPU.{native}
+{sp['max_new_tokens']} new tokens; AR and each setting interleaved prompt by prompt, {sp['repeats']} repeats;
+`{sp['file']}` ({sp['date']}, `benchmarks/draft_heads.py`). A range that reaches 1.0× is no speedup on that CPU.{parted}
 """
+    return text
 
 
 PRETRAINED_BUDGET_MB = 45  # what pretrained/ may hold in all (tests/test_pretrained.py MAX_MB): two drafters and
@@ -280,8 +298,11 @@ def fmt(value, spec: str = ".3f") -> str:
 
 
 def card_text(card: dict, drafter_dir: Path) -> str:
+    from spectrain.heads.families import family_for_method
+
     measured = "\n".join(f"| {r['prompts']} | {r['setting']} | {r['temperature']:g} | {r['dtype']} | {r['tau']:.3f} |"
                          for r in card["eval"])
+    family = family_for_method(card["method"], "card.json").name  # what spectrain-eval --method names
     return f"""# {card['name']}
 
 {card['method']} drafter for **{card['verifier_hub_id']}** (spectrain verifier `{card['verifier']}`), {card['dtype']},
@@ -297,7 +318,7 @@ def card_text(card: dict, drafter_dir: Path) -> str:
 ## Use
 
 ```bash
-spectrain-eval --verifier {card['verifier']} --method {'medusa' if card['method'] == 'medusa' else 'eagle'} \\
+spectrain-eval --verifier {card['verifier']} --method {family} \\
     --drafter pretrained/{card['name']} --prompts PROMPTS.jsonl --num_prompts 8
 ```
 
@@ -324,7 +345,7 @@ def refresh(args) -> Path:
     if args.eval:
         card["eval"] = eval_rows(args.eval, args.results_row)
     if args.speed:
-        card["speed"] = speed_facts(args.speed, target)
+        card["speed"] = [speed_facts(path, target) for path in args.speed]
     if args.reach:
         card["reach"] = reach_facts(card, args.reach)
     if card["method"] == "eagle3":
@@ -374,7 +395,7 @@ def main_(args) -> Path:
         if args.llama_cpp_check or args.llama_cpp_speed:
             card["llama_cpp"] = llama_cpp_facts(args.llama_cpp_check, args.llama_cpp_speed, args.name)
         if args.speed:
-            card["speed"] = speed_facts(args.speed, target)
+            card["speed"] = [speed_facts(path, target) for path in args.speed]
         if card["method"] == "eagle3":
             card["gguf"] = ship_gguf(tmp, card["verifier"], gguf_name(card))
         write_json(tmp / "card.json", card)
@@ -390,8 +411,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("run_dir")
     p.add_argument("--refresh", action="store_true",
                    help="RUN_DIR is a shipped drafter (pretrained/NAME): re-render its card, add --llama_cpp_* figures")
-    p.add_argument("--speed", default=None,
-                   help="a committed draft_heads.py --repeats 3 --interleave JSON timing this drafter")
+    p.add_argument("--speed", action="append", default=[],
+                   help="a committed draft_heads.py --repeats 3 --interleave JSON timing this drafter (repeat: one "
+                        "per CPU class, each rendered as its own table)")
     p.add_argument("--reach", default=None, metavar="PRETRAINED_DIR",
                    help="--refresh: say what this card's learning curve would need to reach that card's tau")
     p.add_argument("--llama_cpp_check", default=None, help="a committed llama_cpp_check.py JSON (EAGLE-3 cards)")

@@ -320,19 +320,25 @@ SPEED_ROWS = {
     "DFlash with DSpark's confidence cut (P = 0.1), chain 7 (not shipped)": ("dflash-conf0.1", "chain-7"),
 }
 SPEED_AVX2 = "speed_avx2.json"
-SPEED_NATIVE_BF16 = ("hybrid_interleaved.json", "hybrid_interleaved_rerun.json", "short_chains.json",
-                     "short_chains_rerun.json", "block_drafters.json")
+SPEED_NATIVE_BF16 = "speed_bf16.json"
+# The drafter not shipped (DFlash) was timed in single interleaved passes, one file each, on a native-bf16 CPU.
+SPEED_NATIVE_BF16_PASSES = ("short_chains.json", "block_drafters.json")
 
 
 def speed_rows(results_dir: Path) -> list[str]:
-    """README's speed table as the files give it: AVX2 cells from the repeated run (median, min-max of its
-    passes), native-bf16 cells pooled over the committed single passes of the same settings (each file one
-    interleaved pass over the same 16 turns; n passes named)."""
+    """README's speed table as the files give it: each CPU class's cells from its repeated run (median, min-max
+    of its passes); a row that run lacks (the DFlash drafter, not shipped) pooled over the committed single passes
+    of the same setting on that class (each file one interleaved pass over the same 16 turns; n passes named)."""
     def keyed(name):
         data = json.loads(read(results_dir / name))
         return {(r["drafter"], r["setting"]): r for r in data["rows"] if r["draft_vocab"] in (8192, None)}
 
-    avx2, native = keyed(SPEED_AVX2), [keyed(name) for name in SPEED_NATIVE_BF16]
+    def repeated(r):
+        return [f"{r['tau']:.3f}", f"{r['speedup']:.3f}× ({r['speedup_min']:.3f}–{r['speedup_max']:.3f}, "
+                f"{len(r['speedup_repeats'])} passes)", r["identical_turns"]]
+
+    avx2, bf16 = keyed(SPEED_AVX2), keyed(SPEED_NATIVE_BF16)
+    native = [keyed(name) for name in SPEED_NATIVE_BF16_PASSES]
     lines = [SPEED_HEADER, "|---|---|---|---|---|---|---|"]
     for label, key in SPEED_ROWS.items():
         cells = [label]
@@ -340,7 +346,9 @@ def speed_rows(results_dir: Path) -> list[str]:
         cells += ([f"{r['tau']:.3f}", f"{r['speedup']:.3f}× ({r['speedup_min']:.3f}–{r['speedup_max']:.3f})",
                    r["identical_turns"]] if r else ["–"] * 3)
         passes = [n[key] for n in native if key in n]
-        if passes:
+        if key in bf16:
+            cells += repeated(bf16[key])
+        elif passes:
             v = [p["speedup"] for p in passes]
             same = sorted({p["identical_turns"] for p in passes})
             cells += [f"{passes[0]['tau']:.3f}",
@@ -364,6 +372,39 @@ def speed_table_problems(readme: str, results_dir: Path) -> list[str]:
     if len(have) != len(want):
         problems.append(f"README's speed table has {len(have) - 2} rows, the files {len(want) - 2}")
     return problems
+
+
+QUICKSTART_HEADER = "| CPU | dtype (`auto`) | τ | same as greedy | speedup over our plain loop | file |"
+
+
+def quickstart_problems(readme: str, results_dir: Path) -> list[str]:
+    """README's quickstart table: each row's τ, identity and speedup (median, min-max) are its linked file's, the
+    file a ``repeat_eval.py`` run of the README's own command with >= 3 runs, and a range reaching below 1x is
+    never called a speedup."""
+    _, body = table_after(readme, QUICKSTART_HEADER)
+    problems = [] if body else ["README has no quickstart table"]
+    for cpu, dtype, tau, same, speedup, link in body:
+        name = re.search(r"results/([\w.-]+\.json)", link).group(1)
+        data = json.loads(read(results_dir / name))
+        s = data["settings"]["chain-4"]
+        want_speed = f"{s['speedup']:.3f}× ({s['speedup_min']:.3f}–{s['speedup_max']:.3f}×)"
+        if s["speedup_min"] < 1.0:
+            want_speed += ": no speedup claimed"
+        want = [{"bfloat16": "bf16", "float32": "fp32"}[data["dtype"]], f"{statistics.median(s['tau']):.3f}",
+                f"{sum(s['identical_to_ar'])}/{len(s['identical_to_ar'])} runs", want_speed]
+        if [dtype, tau, same, speedup] != want:
+            problems.append(f"README quickstart row {cpu!r}: {[dtype, tau, same, speedup]} != {want} ({name})")
+        if data["repeats"] < 3 or "--method eagle --drafter runs/eagle3-bundled-tinyshakespeare-tinyshakespeare --k 4" \
+                not in data["command"]:
+            problems.append(f"{name} is not a >= 3-run repeat_eval.py of the README's quickstart command")
+    return problems
+
+
+def test_readme_quickstart_table_equals_the_files():
+    readme = read(ROOT / "README.md")
+    assert quickstart_problems(readme, RESULTS) == []
+    broken = readme.replace("| 3.035 |", "| 3.036 |").replace(": no speedup claimed |", " |")
+    assert len(quickstart_problems(broken, RESULTS)) == 2
 
 
 def path_problems(pages: dict[str, str]) -> list[str]:
@@ -430,6 +471,27 @@ def ranked_table_problems(page_text: str, data: dict) -> list[str]:
             if cell != want:
                 problems.append(f"{row['drafter']} {row['draft_vocab']} {row['setting']}: {key} {cell} != {want}")
     return problems
+
+
+REPEATED_HEADS_FILES = ("draft_heads_eagle1_avx2.json", "draft_heads_eagle1_amx.json")
+
+
+def repeated_heads_table(data: dict) -> str:
+    """evaluation.md's table of a repeated ``draft_heads.py`` run (one per CPU class), as its file gives it."""
+    lines = ["| drafter | draft vocab | setting | τ | draft/verify | speedup | same as AR |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['drafter']} | {r['draft_vocab']} | {r['setting']} | {r['tau']:.3f} | {r['draft_over_verify']:.3f} | "
+              f"{r['speedup']:.3f} ({r['speedup_min']:.3f}–{r['speedup_max']:.3f}) | {r['identical_turns']} |"
+              for r in data["rows"]]
+    return "\n".join(lines)
+
+
+def test_repeated_heads_tables_equal_their_files():
+    page = read(DOCS / "evaluation.md")
+    for name in REPEATED_HEADS_FILES:
+        data = json.loads(read(RESULTS / name))
+        assert data["repeats"] >= 3 and repeated_heads_table(data) in page, name
+        data["rows"][0]["speedup_min"] += 0.001  # negative control: one changed figure and the table is not there
+        assert repeated_heads_table(data) not in page
 
 
 def test_ranked_heads_table_equals_the_committed_file():

@@ -163,9 +163,23 @@ def test_speed_facts_take_the_cards_rows_and_refuse_single_passes(tmp_path):
     assert [(x["drafter"], x["speedup"], x["min"], x["max"]) for x in facts["rows"]] == \
         [("e1", 0.95, 0.9, 1.0), ("hybrid-e1", 0.85, 0.8, 0.9)]  # the Medusa row is another drafter's
     assert facts["cpu"].startswith("Test CPU, 2 CPUs (AVX2, bf16 emulated)") and not facts["bf16_native"]
+    no_ranking = ship.speed_text({"name": "smollm2-eagle1", "speed": facts}, tmp_path)
+    assert "| draft vocabulary 8,192 | chain-5 |" in no_ranking  # a trained draft vocabulary (EAGLE-3's), not ranked
+    (tmp_path / "vocab_ranking.json").write_text(json.dumps({"default_size": 8192, "vocab_size": 49152,
+                                                            "counts": [3] * 8192 + [1] * 8192}))
     text = ship.speed_text({"name": "smollm2-eagle1", "speed": facts}, tmp_path)
     assert "| ranked 8,192 | chain-5 | 1.800 | 0.200 | 0.950× (0.900–1.000) | 4/4 |" in text
-    assert "native bf16" in text  # no repeated run there: the card says so
+    assert "the 8,192 most frequent cover 75.0 % of them" in text
+    assert "these settings have one pass so far" in text  # no repeated run on a native-bf16 CPU: the card says so
+    native = {**data, "cpu": {**data["cpu"], "model": "Bf16 CPU", "amx_bf16": True, "bf16_native": True},
+              "dtype": "bfloat16", "rows": [r("e1", 8192, "chain-5", [1.3, 1.4, 1.5])]}
+    path.write_text(json.dumps(native))
+    both = [facts, ship.speed_facts(str(path), tmp_path / "smollm2-eagle1")]
+    text = ship.speed_text({"name": "smollm2-eagle1", "speed": both}, tmp_path)
+    assert "one pass so far" not in text  # one table per CPU class, each naming its CPU and dtype
+    assert text.index("(no native bf16: float32)") < text.index("0.950× (0.900–1.000)") \
+        < text.index("(native bf16: bfloat16)") < text.index("| ranked 8,192 | chain-5 | 1.800 | 0.200 | 1.400× (1.300–1.500)")
+    assert "**Bf16 CPU, 2 CPUs" in text
     for broken in ({"repeats": 1}, {"cpu": None}, {"drafters": {"x": "pretrained/other"}}):
         path.write_text(json.dumps({k: v for k, v in {**data, **broken}.items() if v is not None}))
         with pytest.raises(SpectrainError, match="--repeats >= 3"):
@@ -177,3 +191,35 @@ def test_vocab_coverage_by_hand(tmp_path):
     (tmp_path / "vocab_ranking.json").write_text(json.dumps({"default_size": 2, "counts": [1, 5, 2, 2]}))
     assert ship.vocab_coverage(tmp_path) == (2, 0.7)  # the two largest counts, 5 + 2, of 10
     assert ship.vocab_coverage(tmp_path / "none") is None
+
+
+CARDS = sorted(p.parent for p in (ROOT / "pretrained").glob("*/card.json"))
+
+
+@pytest.mark.parametrize("card_dir", CARDS, ids=lambda p: p.name)
+def test_each_shipped_card_is_rendered_from_its_committed_files(card_dir, monkeypatch):
+    """A card's README is its card.json rendered, and card.json's figures are the committed files' (τ rows from
+    the results file its rows name, speed tables and llama.cpp figures from theirs): no figure is typed in."""
+    ship = load_script("ship_drafter")
+    card = json.loads((card_dir / "card.json").read_text())
+    assert (card_dir / "README.md").read_text() == ship.card_text(card, card_dir)
+    results = ROOT / "docs" / "results" / "pretrained_smollm2.json"
+    assert card["eval"] == ship.eval_rows([str(results)], card["method"]), "τ rows are not the results file's"
+    for speed in ship.card_speeds(card):
+        assert speed == ship.speed_facts(str(ROOT / speed["file"]), card_dir), speed["file"]
+    if "llama_cpp" in card:
+        llama = card["llama_cpp"]
+        monkeypatch.chdir(ROOT)  # the card records each file as docs/results/NAME.json
+        assert llama == ship.llama_cpp_facts(llama["check"]["file"], llama["speed"]["file"], card["name"])
+    assert len(ship.card_speeds(card)) == 2, "each shipped card is timed on both CPU classes"
+    assert {s["bf16_native"] for s in ship.card_speeds(card)} == {True, False}
+
+
+def test_a_typed_in_card_figure_is_caught():
+    ship = load_script("ship_drafter")
+    card_dir = ROOT / "pretrained" / "smollm2-eagle1"
+    card = json.loads((card_dir / "card.json").read_text())
+    speed = ship.card_speeds(card)[0]
+    speed["rows"][0]["speedup"] += 0.001
+    assert speed != ship.speed_facts(str(ROOT / speed["file"]), card_dir)
+    assert (card_dir / "README.md").read_text() != ship.card_text(card, card_dir)

