@@ -36,6 +36,7 @@ FACTS: dict[str, dict[str, str]] = {
                      "test_tinyshakespeare_length_is_the_bundled_file)",
         "4.0": "a licence's version (CC BY-NC 4.0)",
     },
+    "docs/eagle.md": {"0.1": "EAGLE-1's soft-CE loss weight (a setting: SmoothL1 + 0.1 × soft CE)"},
     "docs/evaluation.md": {
         "0.66": "multiply-accumulates of EAGLE-1's fc on SmolLM2 (2 · 576 × 576: arithmetic on its shapes)",
         "3.5": "multiply-accumulates of one SmolLM2-shaped decoder layer (arithmetic on its shapes)",
@@ -69,16 +70,23 @@ SCALE = {"": 1.0, "K": 1e3, "M": 1e6}
 RELATIVE = re.compile(r"\s?[%×]")  # a figure printed as a share or a ratio may be derived from two beside it
 
 
-def numbers(data) -> set[float]:
-    """Every number a JSON value holds, and those of its recorded ``command`` strings (a setting the docs quote)."""
+RATIO_KEY = re.compile(r"speedup|_over_|ratio|times|vs_", re.I)  # keys whose values are ratios (a "×" figure's)
+
+
+def numbers(data, ratios_only: bool = False) -> set[float]:
+    """Every number a JSON value holds, and those of its recorded ``command`` strings (a setting the docs quote);
+    ``ratios_only``: those under a key that names a ratio (``speedup``, ``layers_over_llama``, ``times``) only."""
     out: set[float] = set()
-    stack = [data]
+    stack = [(data, not ratios_only)]
     while stack:
-        x = stack.pop()
+        x, counted = stack.pop()
         if isinstance(x, dict):  # prose a file carries (a card's "data" line) vouches for nothing: commands only
-            stack.extend(v for k, v in x.items() if not isinstance(v, str) or k == "command")
+            stack.extend((v, counted or bool(RATIO_KEY.search(k))) for k, v in x.items()
+                         if not isinstance(v, str) or (k == "command" and not ratios_only))
         elif isinstance(x, list):
-            stack.extend(x)
+            stack.extend((v, counted) for v in x)
+        elif not counted:
+            continue
         elif isinstance(x, (int, float)) and not isinstance(x, bool):
             out.add(abs(float(x)))  # a margin of -0.0068 reads as "by 0.0068" the other way
         elif isinstance(x, str):
@@ -100,14 +108,17 @@ def holds(printed: str, suffix: str, values: set[float]) -> bool:
     return any(abs(v / s - target) <= half * (1 + 1e-9) for v in values for s in scales)
 
 
-def derived(printed: str, neighbours: list[float]) -> bool:
-    """Whether ``printed`` (a figure printed with ``%`` or ``×``) is a ratio, a difference or a relative difference
-    in % of two figures printed beside it (in its paragraph) that the file holds: ``2.123 (2.0 %)`` beside
-    ``2.165``; ``4.3×`` the tokens."""
+def derived(printed: str, mark: str, neighbours: list[float]) -> bool:
+    """Whether ``printed`` is a ratio (``×``) or a relative difference in % (``%``) of two figures printed beside it
+    (in its paragraph) that the file holds: ``2.123 (2.0 %)`` beside ``2.165``; ``4.3×`` the tokens. Only a figure
+    of at most two decimals can be derived: one of three decimals is a file's value printed, never a ratio taken
+    in the text (so a typed-in ``1.319×`` cannot pass as some quotient of its neighbours)."""
     target, half = value(printed)
+    if len(printed.partition(".")[2]) > 2:
+        return False
     pairs = ((a, b) for a in neighbours for b in neighbours if a != b and b)
-    return any(min(abs(c - target) for c in (a / b, a - b, 100 * abs(a / b - 1))) <= half * (1 + 1e-9)
-               for a, b in pairs)
+    ops = (lambda a, b: a / b) if mark == "×" else (lambda a, b: 100 * abs(a / b - 1))
+    return any(abs(ops(a, b) - target) <= half * (1 + 1e-9) for a, b in pairs)
 
 
 def prose(text: str) -> str:
@@ -134,14 +145,14 @@ class Files:
 
     def __init__(self, results_dir: Path):
         self.results_dir = results_dir
-        self.cache: dict[Path, set[float]] = {}
+        self.cache: dict[tuple[Path, bool], set[float]] = {}
 
-    def values(self, paths: set[Path]) -> set[float]:
+    def values(self, paths: set[Path], ratios_only: bool = False) -> set[float]:
         out: set[float] = set()
         for path in paths:
-            if path not in self.cache:
-                self.cache[path] = numbers(json.loads(read(path)))
-            out |= self.cache[path]
+            if (path, ratios_only) not in self.cache:
+                self.cache[(path, ratios_only)] = numbers(json.loads(read(path)), ratios_only)
+            out |= self.cache[(path, ratios_only)]
         return out
 
     def named(self, text: str, extra: set[Path]) -> set[Path]:
@@ -165,19 +176,21 @@ def ledger_problems(page: str, text: str, files: Files, extra: set[Path] = froze
     problems = []
     for heading, part in sections(body):
         named = files.named(part, set(extra)) if FILE_NAME.search(part) else page_files
-        values = files.values(named)
+        values, ratios = files.values(named), files.values(named, ratios_only=True)
         for paragraph in re.split(r"\n\s*\n", part):
             found, missing = [], []
             for m in FIGURE.finditer(paragraph):
                 printed, suffix = m.group(1), m.group(2) or ""
                 if printed in facts or VERSION.search(paragraph[max(0, m.start() - 20):m.start()]):
                     continue
-                if holds(printed, suffix, values):
+                mark = RELATIVE.match(paragraph, m.end())
+                mark = mark.group().strip() if mark else ""
+                if holds(printed, suffix, ratios if mark == "×" else values):  # a "×" figure is a file's ratio
                     found.append(value(printed)[0] * SCALE[suffix])
                 else:
-                    missing.append((printed, suffix, RELATIVE.match(paragraph, m.end()) is not None))
-            for printed, suffix, relative in missing:
-                if not (relative and derived(printed, found)):
+                    missing.append((printed, suffix, mark))
+            for printed, suffix, mark in missing:
+                if not (mark and derived(printed, mark, found)):
                     where = heading.lstrip("# ") or "(top)"
                     problems.append(f"{page} § {where}: {printed}{suffix} is in no result file the section names "
                                     f"({', '.join(sorted(p.name for p in named)) or 'none'})")
