@@ -3,17 +3,20 @@
     python benchmarks/train_throughput.py [--json PATH] [--steps 3] [--baseline REV]
 
 A random-weight verifier shaped like SmolLM2-135M-Instruct (hidden 576, 30 layers, 9/3 heads, vocabulary
-49,152, tied embeddings) trains Medusa (5 heads, shared lm_head), EAGLE-1 and EAGLE-3 (8K draft vocabulary,
-TTT 4) with each side's SmolLM2 recipe (``configs/*_smollm2.yaml``), batch 4 x 512, online (text blocks through
-the verifier) and from a hidden-state store (variable-length rows of 64-512 tokens, as chat data is), through
-Lightning's real ``Trainer.fit`` (precision plugin, clipping, fused AdamW). ``spectrain-extract``'s
-``extract()`` is timed on the same rows. "old" is the library at ``--baseline`` (checked out of git into a
-temporary directory), "new" is this working tree; each side runs in its own subprocess, one after the other.
+49,152, tied embeddings) trains every registered drafter method that has a SmolLM2 recipe
+(``configs/<method>_smollm2.yaml``) in both trees (``--methods``: some of them), each through its family's
+training module (the family table's ``train_module``) with each side's recipe, batch 4 x 512, online (text blocks
+through the verifier) and from a hidden-state store (variable-length rows of 64-512 tokens, as chat data is, holding
+the verifier layers any of the drafters reads), through Lightning's real ``Trainer.fit`` (precision plugin,
+clipping, fused AdamW). ``spectrain-extract``'s ``extract()`` is timed on the same rows. "old" is the library at
+``--baseline`` (checked out of git into a temporary directory), "new" is this working tree; each side runs in its
+own subprocess, one after the other.
 
-Reported per row: real (unpadded) tokens/s, the estimated FLOP per token of what that step computes (verifier
-forward, greedy projection when computed, drafter forward + backward, loss projections incl. recompute), the
-achieved GFLOP/s, and that as a fraction of this machine's matmul peak in the row's precision, measured in the
-same run. Not a test: it prints a table, writes JSON, and its last stdout line is the JSON's path.
+Reported per row: real (unpadded) tokens/s, the FLOP per token of what a step computes (verifier forward, greedy
+projection when computed, drafter forward + backward, loss projections incl. recompute: every matmul and
+attention, counted by torch's FLOP counter on one untimed step before the warm-up), the achieved GFLOP/s, and
+that as a fraction of this machine's matmul peak in the row's precision, measured in the same run. Not a test: it
+prints a table, writes JSON, and its last stdout line is the JSON's path.
 """
 
 from __future__ import annotations
@@ -31,38 +34,31 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = "d113343"  # the last commit before bf16 training / packed stores / training vocabularies
 SMOLLM2 = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152)
-METHODS = ("medusa", "eagle1", "eagle3")
 WORDS = ("the a cat dog sat on mat ran fast slow river hill tree bird sings quietly under over green blue house what "
          "is where why how king queen lord speak thou thee thy good night day love").split()
 
 
-# ----------------------------------------------------------------------------------------------- the FLOP model
-def flops_per_token(method: str, source: str, settings: dict, mean_len: float, layers: int,
-                    shape: dict = SMOLLM2) -> float:
-    """Estimated FLOP one training token costs, for the work the step actually does (see the module docstring).
+# ----------------------------------------------------------------------------------------------- FLOP counting
+def flop_counter():
+    """torch's FLOP counter (every matmul and attention a step dispatches, backward and recompute included), with
+    the CPU attention kernel counted too: torch registers formulas for the GPU kernels only."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
-    ``settings``: ``vocab_rows`` (rows the loss projects onto), ``recompute`` (loss projections recomputed in
-    backward), ``greedy`` (full-vocabulary greedy projection computed in the step).
-    """
-    h, n_layers, inter, vocab = shape["hidden"], layers, shape["intermediate"], shape["vocab"]
-    kv = h // shape["heads"] * shape["kv_heads"]
-    attention = 4 * h * mean_len / 2  # QK^T and AV over a causal context of mean length / 2
-    layer = 2 * (2 * h * h + 2 * h * kv + 3 * h * inter) + attention
-    total = n_layers * layer if source == "online" else 0.0
-    if settings["greedy"]:
-        total += 2 * h * vocab
-    rows, again = settings["vocab_rows"], 2 if settings["recompute"] else 1
-    if method == "medusa":  # 5 ResBlocks (fwd + both grads); shared frozen lm_head: fwd (x again) + input grad
-        heads = settings["num_heads"]
-        total += heads * (6 * h * h + (2 * again + 2) * h * rows)
-    elif method == "eagle1":  # fc + layer fwd/bwd; CE: teacher + student fwd (x again) + input grad
-        params = 2 * h * h + 2 * h * h + 2 * h * kv + 3 * h * inter
-        total += 6 * params + 3 * attention + (2 * again + 2 * again + 2) * h * rows
-    else:  # eagle3: fused fc once; per TTT step the 2h-input layer, own lm_head (weight grads too), teacher
-        steps = settings["ttt_steps"]
-        params = (2 * h) * h + 2 * (2 * h) * kv + h * h + 3 * h * inter  # q/k/v read 2h; o is h -> h
-        total += 6 * 3 * h * h + steps * (6 * params + 3 * attention + (2 * again + 2 * again + 4) * h * rows)
-    return total
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if forward is not None and forward not in flop_registry:
+        def attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
+            """Q K^T and P V: query (B, h, Sq, d), key (B, h', Sk, d), value (B, h', Sk, dv)."""
+            b, h, s_q, d = query
+            return 2 * b * h * s_q * key[-2] * (d + value[-1])
+
+        def attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+            return 2 * attention(query, key, value)  # dQ, dK, dV and dP: four products of a forward's two
+
+        register_flop_formula(forward)(attention)
+        register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)(attention_backward)
+    return FlopCounterMode(display=False)
 
 
 # ----------------------------------------------------------------------------------------------- setup (parent)
@@ -106,9 +102,38 @@ def build_workdir(work: Path, args) -> dict:
         rows.append({"input_ids": zipf_ids(n, g), "loss_mask": [1] * n})
     (work / "rows.json").write_text(json.dumps(rows))
     blocks = [{"input_ids": zipf_ids(args.block_size, g), "loss_mask": [1] * args.block_size}
-              for _ in range(args.batch_size * (args.warmup + args.steps + 2))]
+              for _ in range(args.batch_size * (args.warmup + args.steps + 3))]
     (work / "blocks.json").write_text(json.dumps(blocks))
     return {"store_rows": len(rows), "store_tokens": sum(len(r["input_ids"]) for r in rows), "online_blocks": len(blocks)}
+
+
+def timed_methods(old_src: Path, wanted: str | None) -> dict[str, str]:
+    """The drafter methods to time, each with its family's training module as ``"package.module:Class"`` (the
+    family table's ``train_module``): every registered method with a SmolLM2 recipe in both trees, in registration
+    order, or those of ``wanted`` (``M,M``). Both sides import the module by that path, the old side from its own
+    tree (which may predate the family table)."""
+    from spectrain.heads.errors import SpectrainError
+    from spectrain.heads.families import families, family_for_method
+
+    def recipe(tree: Path, method: str) -> Path:
+        return tree / "configs" / f"{method}_smollm2.yaml"
+
+    methods = ([m.strip() for m in wanted.split(",") if m.strip()] if wanted
+               else [m for f in families() for m in f.methods
+                     if recipe(REPO, m).is_file() and recipe(old_src, m).is_file()])
+    modules = {}
+    for method in methods:
+        module = family_for_method(method, "--methods").train_module
+        if module is None:
+            raise SpectrainError(f"--methods: family {family_for_method(method).name} names no training module")
+        missing = [side for side, tree in (("new", REPO), ("old", old_src)) if not recipe(tree, method).is_file()]
+        if missing:
+            raise SpectrainError(f"--methods: {method} has no SmolLM2 recipe (configs/{method}_smollm2.yaml) in the "
+                                 f"{' and '.join(missing)} tree")
+        modules[method] = module if isinstance(module, str) else f"{module.__module__}:{module.__qualname__}"
+    if not modules:
+        raise SpectrainError("no drafter method has a SmolLM2 recipe in both trees: nothing to time")
+    return modules
 
 
 def baseline_tree(rev: str, work: Path) -> Path:
@@ -139,8 +164,28 @@ def matmul_peak(dtype_name: str, repeats: int = 5) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- worker (one side)
+def store_layers(drafters: dict, verifier_dir: str) -> tuple[int, ...]:
+    """The verifier layers the store holds: every layer any timed drafter reads (its module's
+    ``feature_layer_ids``), each module built once on the verifier to ask it."""
+    layers: set[int] = set()
+    for module_class, recipe in drafters.values():
+        layers.update(module_class(verifier=verifier_dir, **recipe).feature_layer_ids())
+    return tuple(sorted(layers))
+
+
+def loss_rows(module) -> int:
+    """Vocabulary rows a module's loss projects onto: its training vocabulary, else its drafter's own draft
+    vocabulary, else the verifier's whole vocabulary."""
+    train_rows = getattr(module, "train_rows", None)
+    if train_rows is not None:
+        return train_rows.shape[0]
+    return getattr(module.drafter.config, "draft_vocab_size", None) or SMOLLM2["vocab"]
+
+
 def worker(side: str, work: Path, args) -> dict:
     """Runs in a subprocess whose ``spectrain`` is the side's code; returns its measurements."""
+    import importlib
+
     import lightning as L
     import torch
     import yaml
@@ -149,10 +194,7 @@ def worker(side: str, work: Path, args) -> dict:
     import spectrain.train.base as base
     from spectrain.data.datamodule import DrafterDataModule
     from spectrain.data.store import extract
-    from spectrain.heads.eagle import default_aux_layers
     from spectrain.heads.verifier import load_verifier
-    from spectrain.train.eagle import EagleModule
-    from spectrain.train.medusa import MedusaModule
 
     torch.set_num_threads(args.threads)
     code = Path(base.__file__).resolve().parents[1]
@@ -168,10 +210,18 @@ def worker(side: str, work: Path, args) -> dict:
     blocks = json.loads((work / "blocks.json").read_text())
     n_val = max(args.batch_size, len(rows) // 8)
     out = {"side": side, "code": str(code), "precision": precision, "rows": {}}
+    configs = code / "configs"
+    drafters = {}  # method -> (its training module, its recipe's init args), this side's
+    for method, dotted in json.loads((work / "methods.json").read_text()).items():
+        module_path, _, class_name = dotted.partition(":")
+        model = yaml.safe_load((configs / f"{method}_smollm2.yaml").read_text())["model"]
+        recipe = dict(model.get("init_args", model))  # recipes name their class since 2026-12-01
+        recipe.pop("verifier", None)
+        drafters[method] = getattr(importlib.import_module(module_path), class_name), recipe
+    layers = store_layers(drafters, verifier_dir)
 
     # -- extraction: the verifier in the side's default dtype, store rows as written by each side
     verifier = load_verifier(verifier_dir)
-    layers = tuple(default_aux_layers(args.layers))
     store = work / f"store-{side}"
     t0 = time.perf_counter()
     extract(verifier, rows[n_val:], store / "train", layers, "bench", rows_per_shard=16, log=lambda *_: None)
@@ -183,23 +233,29 @@ def worker(side: str, work: Path, args) -> dict:
     del verifier
 
     class Clock(L.Callback):
+        """Times every step but the first, whose FLOPs it counts instead (the counter slows the step it counts)."""
+
         def __init__(self):
-            self.steps = []
+            self.steps, self.counted = [], None  # counted: (FLOP, tokens) of the first step
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            self.t0, self.tokens = time.perf_counter(), int(batch["attention_mask"].sum())
+            self.tokens = int(batch["attention_mask"].sum())
+            if self.counted is None:
+                self.counter = flop_counter()
+                self.counter.__enter__()
+            self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            self.steps.append((time.perf_counter() - self.t0, self.tokens))
+            seconds = time.perf_counter() - self.t0
+            if self.counted is None:
+                self.counter.__exit__(None, None, None)
+                self.counted = (self.counter.get_total_flops(), self.tokens)
+            else:
+                self.steps.append((seconds, self.tokens))
             dropped = trainer.callback_metrics.get("train/dropped_frac")
             self.dropped = None if dropped is None else float(dropped)
 
-    configs = code / "configs"
-    for method in METHODS:
-        model = yaml.safe_load((configs / f"{method}_smollm2.yaml").read_text())["model"]
-        recipe = dict(model.get("init_args", model))  # recipes name their class since 2026-12-01
-        recipe.pop("verifier", None)
-        module_class = MedusaModule if method == "medusa" else EagleModule
+    for method, (module_class, recipe) in drafters.items():
         for source in ("online", "store"):
             torch.manual_seed(0)
             module = module_class(verifier=verifier_dir, **recipe)
@@ -213,27 +269,24 @@ def worker(side: str, work: Path, args) -> dict:
                 decide = module.recompute_loss
                 module.recompute_loss = lambda rows, vocab: decisions.append(decide(rows, vocab)) or decisions[-1]
             clock = Clock()
-            trainer = L.Trainer(max_steps=args.warmup + args.steps, precision=precision, gradient_clip_val=1.0,
+            trainer = L.Trainer(max_steps=1 + args.warmup + args.steps, precision=precision, gradient_clip_val=1.0,
                                 accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                                 num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[clock])
             trainer.fit(module, datamodule=data)
-            timed = clock.steps[args.warmup:]
+            timed = clock.steps[args.warmup:]  # the counted step is not among them
             seconds, tokens = sum(s for s, _ in timed), sum(t for _, t in timed)
-            settings = {"vocab_rows": SMOLLM2["vocab"], "recompute": True, "greedy": True,
-                        "num_heads": recipe.get("num_heads", 4), "ttt_steps": recipe.get("ttt_steps", 7)}
-            if method == "eagle3":
-                settings["vocab_rows"] = module.drafter.config.draft_vocab_size
+            settings = {"vocab_rows": loss_rows(module), "recompute": True, "greedy": True}
             if side == "new":
-                vocab_rows = (module.train_rows.shape[0] if getattr(module, "train_rows", None) is not None
-                              else settings["vocab_rows"])
-                settings.update(vocab_rows=vocab_rows, recompute=any(decisions),
+                settings.update(recompute=any(decisions),
                                 greedy=module.needs_greedy(training=True) and source == "online",
                                 dropped_frac=getattr(clock, "dropped", None))
+            counted_flop, counted_tokens = clock.counted
             out["rows"][f"{method}/{source}"] = {
                 "tokens_per_second": tokens / seconds, "step_seconds": seconds / len(timed),
                 "tokens_per_step": tokens / len(timed), "settings": settings,
-                "mean_row_length": tokens / len(timed) / args.batch_size, "recipe": recipe}
+                "mean_row_length": tokens / len(timed) / args.batch_size, "recipe": recipe,
+                "flop_per_token": counted_flop / counted_tokens}
             del module, trainer, data
     return out
 
@@ -247,9 +300,9 @@ def report(sides: dict, peaks: dict, args, setup: dict) -> dict:
         for side in ("old", "new"):
             r = sides[side]["rows"][key]
             dtype = "bfloat16" if "bf16" in sides[side]["precision"] else "float32"
-            flop = flops_per_token(method, source, r["settings"], r["mean_row_length"], args.layers)
+            flop = r["flop_per_token"]
             gflops = flop * r["tokens_per_second"] / 1e9
-            r.update(flop_per_token=flop, gflops=gflops, peak_gflops=peaks[dtype], peak_fraction=gflops / peaks[dtype])
+            r.update(gflops=gflops, peak_gflops=peaks[dtype], peak_fraction=gflops / peaks[dtype])
             tps[side] = r["tokens_per_second"]
             dropped = r["settings"].get("dropped_frac")
             rows.append([method, source, side, sides[side]["precision"], r["settings"]["vocab_rows"],
@@ -272,7 +325,8 @@ def report(sides: dict, peaks: dict, args, setup: dict) -> dict:
     print(format_table(["", "old", "new", "speedup"], [
         ["extract tok/s", f"{old_x['tokens_per_second']:.0f} ({old_x['verifier_dtype']})",
          f"{new_x['tokens_per_second']:.0f} ({new_x['verifier_dtype']})", f"{speedup['extract']:.2f}x"],
-        *[[f"{m} tok/s speedup", "", "", f"online {speedup[m]:.2f}x, store {speedup_store[m]:.2f}x"] for m in METHODS],
+        *[[f"{m} tok/s speedup", "", "", f"online {speedup[m]:.2f}x, store {speedup_store[m]:.2f}x"]
+          for m in speedup_store],
         ["matmul peak GFLOP/s", f"fp32 {peaks['float32']:.0f}", f"bf16 {peaks['bfloat16']:.0f}", ""]]))
     return {"speedup": speedup, "speedup_store": speedup_store, "peak_fraction": peak_fraction,
             "peak_fraction_store": peak_fraction_store, "peak_gflops": peaks, "sides": sides, "setup": setup,
@@ -291,7 +345,10 @@ def _main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default="runs/bench/train_throughput.json")
     p.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of the 'old' side")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per row")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them (after the step whose FLOPs "
+                                                          "are counted)")
+    p.add_argument("--methods", default=None, help="drafter methods to time, M,M (default: every registered method "
+                                                   "with a SmolLM2 recipe in both trees)")
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--block_size", type=int, default=512)
     p.add_argument("--layers", type=int, default=30, help="verifier layers (SmolLM2-135M has 30)")
@@ -306,8 +363,10 @@ def _main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="spectrain-bench-") as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        setup = build_workdir(work, args)
         old_root = baseline_tree(args.baseline, work)
+        methods = timed_methods(work / "old-src", args.methods)  # before the verifier is built: bad input fails fast
+        (work / "methods.json").write_text(json.dumps(methods))
+        setup = build_workdir(work, args)
         peaks = {d: matmul_peak(d) for d in ("float32", "bfloat16")}
         sides = {}
         for side in ("old", "new"):

@@ -173,3 +173,54 @@ def test_a_run_saved_under_the_old_small_verifier_default_resumes_with_its_layer
     path = train("eagle3_tinyshakespeare.yaml", args=base + ["--trainer.max_steps", "4", "--model.aux_layer_ids",
                                                              "[1, 3, 6]"])
     assert json.loads(path.read_text())["steps"] == 4
+
+
+def test_a_saved_config_is_compared_by_what_its_module_declares(tmp_path):
+    """The run-dir policy names no family: a resumed config is compared with the saved one without the keys the
+    module declares added since (at their old value) or meaningless (``resume_ignores``); any other change is
+    refused. EAGLE's: its warm-start keys added later, eagle1 ignoring ``drop_outside_vocab``, a saved null
+    ``aux_layer_ids``; a module of another family declares its own."""
+    from spectrain.train.base import DrafterModule
+    from spectrain.train.eagle import EagleModule
+    from spectrain.train.run_dir import check_same_config
+
+    def config(class_path: str | None = "spectrain.train.eagle.EagleModule", **init_args) -> str:
+        args = "".join(f"    {k}: {v}\n" for k, v in init_args.items())
+        if class_path is None:  # saved before recipes named their class
+            return f"model:\n{args.replace('    ', '  ')}trainer:\n  max_steps: 4\nlogger: csv\n"
+        return f"model:\n  class_path: {class_path}\n  init_args:\n{args}trainer:\n  max_steps: 4\nlogger: csv\n"
+
+    def resumes(old: str, new: str, module: type = EagleModule, extend: bool = False) -> bool:
+        try:
+            check_same_config(old, new, module, extend, tmp_path, tmp_path / "config.yaml")
+            return True
+        except SpectrainError as e:
+            assert "holds an unfinished run with another config" in str(e) or extend
+            return False
+
+    now = config(variant="eagle3", lr=0.001, layer_init="random", norm_init="default", drop_outside_vocab="false",
+                 verifier_device="auto", aux_layer_ids="[1, 3, 6]")
+    assert resumes(config(None, variant="eagle3", lr=0.001, aux_layer_ids="null"), now)  # old keys, old class-less
+    assert not resumes(config(variant="eagle3", lr=0.001, aux_layer_ids="[1, 3, 5]"), now)  # named layers differ
+    assert not resumes(config(variant="eagle3", lr=0.01, aux_layer_ids="null"), now)  # what trains differs
+    assert not resumes(config(variant="eagle3", lr=0.001, aux_layer_ids="null", layer_init="verifier"), now)
+    assert resumes(config(variant="eagle1", drop_outside_vocab="true"),
+                   config(variant="eagle1", drop_outside_vocab="false"))
+    assert not resumes(config(variant="eagle3", drop_outside_vocab="true"),
+                       config(variant="eagle3", drop_outside_vocab="false"))
+    assert resumes(config(variant="eagle3", measure_prompts=0), config(variant="eagle3", measure_prompts=8))
+    assert not resumes(config(lr=0.001), config(lr=0.001, layer_init="verifier"), module=DrafterModule)
+
+    class ToyModule(DrafterModule):  # another family's module: shared code takes its declarations alone
+        added_init_args = {**DrafterModule.added_init_args, "toy_knob": 1}
+
+        @classmethod
+        def resume_ignores(cls, init_args: dict, saved: dict) -> tuple[str, ...]:
+            return ("toy_note",)
+
+    toy = "spectrain.tests.ToyModule"
+    assert resumes(config(toy, lr=0.001), config(toy, lr=0.001, toy_knob=1, toy_note="x"), module=ToyModule)
+    assert not resumes(config(toy, lr=0.001), config(toy, lr=0.001, toy_knob=2), module=ToyModule)
+    assert not resumes(config(toy, lr=0.001), config(toy, lr=0.001, toy_knob=1), module=EagleModule)
+    extended = config(variant="eagle3").replace("max_steps: 4", "max_steps: 8")
+    assert not resumes(config(variant="eagle3"), extended) and resumes(config(variant="eagle3"), extended, extend=True)

@@ -1,9 +1,11 @@
 """The one LightningModule every drafter trains with.
 
-It owns the frozen verifier (outside the optimizer, never checkpointed) and the
-shared machinery: optimizer and schedule, validation counters reduced across
-ranks, checkpoint filtering, precision (the verifier in the run's compute dtype, loaded natively so its
-fp32 RoPE tables stay fp32), the training vocabulary and the loss's recompute-or-keep decision.
+It owns the frozen verifier (outside the optimizer, never checkpointed) and composes the shared machinery:
+precision (the verifier in the run's compute dtype, loaded natively so its fp32 RoPE tables stay fp32), the
+verifier's features, the training vocabulary and the teacher (``teacher.py``), the loss's recompute-or-keep
+decision, the optimizer (``optim.py``) and schedule, per-rank placement (``ranks.py``), validation counts summed
+across ranks (``validation.py``), the clock and the learning curve, and checkpoints without the verifier, with
+every rank's RNG streams (``checkpoint_state.py``).
 
 A drafter subclass implements ``build_drafter`` (the drafter module, built from the loaded verifier),
 ``drafter_loss`` (a batch's loss and parts to log), ``validation_counts`` and ``val_metrics`` (counts summed over
@@ -14,13 +16,13 @@ sets ``method_name``; its drafter's family must be registered (:mod:`spectrain.h
 layers it reads besides the last hidden state; default none), ``needs_greedy`` (whether training steps read the
 verifier's greedy ids; default validation only), ``no_decay_params`` (weights kept out of weight decay),
 ``check_initial_drafter`` / ``checkpoint_record`` / ``check_checkpoint`` (family-specific checks of ``init_from``
-and of a resumed checkpoint) and ``setup`` (calling this one first).
+and of a resumed checkpoint), ``added_init_args`` / ``resume_ignores`` (its ``__init__`` arguments that a resumed
+run's config may lack or change: ``run_dir.py``) and ``setup`` (calling this one first).
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import time
 import warnings
 from typing import Literal, Optional
@@ -34,39 +36,26 @@ from spectrain.heads.host_memory import keep_freed_memory
 from spectrain.heads.schedule import cosine_with_warmup
 from spectrain.heads.precision import cast_module, resolve_dtype
 from spectrain.heads.verifier import (LogitTransform, load_verifier, max_context, save_verifier_signature,
-                                      verifier_features, verifier_identity, verifier_signature)
-from spectrain.heads.vocab import most_frequent, save_ranking, token_counts
+                                      verifier_identity, verifier_signature)
+from spectrain.heads.vocab import save_ranking
 
-from .losses import (TOKEN_LOSSES, default_memory_budget, logits_bytes, projected_token_loss, projected_topk,
-                     sparse_teacher)
+from .checkpoint_state import (VERIFIER_PREFIX, check_method_and_names, check_same_drafter, check_shapes,
+                               drafter_state, gathered_rng_state, rank_rng_state, restore_rank_rng,
+                               without_verifier)
+from .losses import TOKEN_LOSSES, default_memory_budget, logits_bytes, projected_token_loss
 from .measure import TauMeter
-from .strategies import (clean_name, decay_names, drafter_class, full_state_dict, inside_forward, is_sharded,
-                         unwrapped)
+from .optim import build_optimizer
+from .ranks import ddp_ignored_names, local_device
+from .strategies import decay_names, drafter_class, full_state_dict, inside_forward, is_sharded, unwrapped
+from .teacher import FrozenRows, batch_features, dense_targets, sparse_targets, training_vocabulary
+from .validation import chain_counts, reduce_sums
 
-VERIFIER_PREFIX = "verifier."
+# Helpers that moved into modules of their own, still importable from here (tests and benchmarks import them so).
+__all__ = ["DrafterModule", "VERIFIER_PREFIX", "build_optimizer", "ddp_ignored_names", "local_device",
+           "reduce_sums"]
+
 # The frozen verifier stays in eval mode on purpose; Lightning would warn about it on every fit.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
-
-
-def build_optimizer(drafter: torch.nn.Module, lr: float, weight_decay: float, loss_scaling: bool = False,
-                    no_decay: tuple[torch.Tensor, ...] = (), decaying: Optional[set[str]] = None) -> torch.optim.AdamW:
-    """AdamW over the drafter's trainable weights (no decay on biases and norms).
-
-    Fused where possible: the unfused CPU AdamW allocates W-sized temporaries per parameter, which is the peak
-    of the whole step for per-head lm_heads over a large vocabulary (see benchmarks/bench_memory.py); fused is faster too.
-    Not fused under fp16 loss scaling (``loss_scaling``): a fused AdamW unscales inside its step, after
-    clipping would have seen the scaled gradients. ``no_decay``: further weights kept out of weight decay.
-    ``decaying``: names of the weights that decay (:func:`~.strategies.decay_names`, taken before a sharding
-    wrapper flattened them); default: every matrix.
-    """
-    named = [(clean_name(n), p) for n, p in drafter.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    excluded = {id(p) for p in no_decay}
-    decays = [(n in decaying if decaying is not None else p.ndim >= 2) and id(p) not in excluded for n, p in named]
-    groups = [{"params": [p for p, d in zip(params, decays) if d], "weight_decay": weight_decay},
-              {"params": [p for p, d in zip(params, decays) if not d], "weight_decay": 0.0}]
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params) and not loss_scaling
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused or None)
 
 
 class DrafterModule(L.LightningModule):
@@ -92,10 +81,10 @@ class DrafterModule(L.LightningModule):
             ``never`` force either.
         loss_memory_budget_gb: memory the loss may keep for backward; default a quarter of what is available
             when training starts (host memory on CPU, free device memory on CUDA).
-        train_vocab_size: Medusa / EAGLE-1 / DFlash: project the loss onto the N most frequent loss-masked tokens of the
-            training data only (the verifier's own rows; exports keep the full vocabulary). Hard targets outside
-            it are dropped from the loss (counted: ``train/dropped_frac``); soft targets are the verifier's
-            distribution renormalised over it. null: the whole vocabulary.
+        train_vocab_size: drafters that project onto the verifier's ``lm_head``: project the loss onto the N most
+            frequent loss-masked tokens of the training data only (the verifier's own rows; exports keep the full
+            vocabulary). Hard targets outside it are dropped from the loss (counted: ``train/dropped_frac``); soft
+            targets are the verifier's distribution renormalised over it. null: the whole vocabulary.
         measure_prompts: at every validation, also decode this many fixed prompts (the first validation rows cut
             before their first target token) with our lossless speculative loop — a chain of ``measure_k`` drafts,
             T = 0, ``measure_new_tokens`` tokens each — and log the measured tau (``val/tau_measured``) beside the
@@ -104,11 +93,13 @@ class DrafterModule(L.LightningModule):
         token_loss: the loss of the drafter's token distributions against the verifier's: ``ce`` (cross-entropy),
             or an acceptance-targeted LK loss (arXiv 2602.23881): ``lk_alpha`` = -log sum min(p, q), ``lk_hybrid`` =
             lam * KL(q || p) + (1 - lam)(1 - alpha) with lam = exp(-lk_eta * alpha) detached. LK needs the verifier's
-            distribution (Medusa: ``target: soft``); its logits are kept whole (use a ``train_vocab_size``).
+            distribution (a drafter with hard targets must take soft ones); its logits are kept whole (use a
+            ``train_vocab_size``).
         lk_eta: eta of ``lk_hybrid``.
         init_from: start from a trained drafter instead of a fresh one: a spectrain run directory or an
             export in any ``spectrain-export`` format (vLLM, SGLang, TensorRT-LLM, speculators); its shape
-            must match this run's (heads, layers, draft vocabulary), and an EAGLE-3 keeps its d2t/t2d.
+            must match this run's (heads, layers, draft vocabulary), and a drafter with its own draft vocabulary
+            keeps its map to the verifier's.
     """
 
     def __init__(
@@ -180,7 +171,7 @@ class DrafterModule(L.LightningModule):
         # (N,) vocabulary ids of the training vocabulary and the (V,) map back (-1 outside); set in setup().
         self.register_buffer("train_rows", None, persistent=False)
         self.register_buffer("to_train_row", None, persistent=False)
-        self._frozen_rows: dict = {}
+        self._frozen_rows = FrozenRows()
         self.init_from = init_from
         if init_from:
             self.load_initial_drafter(init_from)
@@ -201,22 +192,14 @@ class DrafterModule(L.LightningModule):
         from spectrain.heads.formats import import_drafter
 
         source = import_drafter(path, verifier_model=self.verifier)
-        ours = self.drafter.state_dict()
-        theirs = source.state_dict()
-        if type(source) is not type(self.drafter) or set(theirs) != set(ours) or (
-                source.config.method != self.drafter.config.method):
-            raise SpectrainError(f"model.init_from {path} holds a drafter of another kind or shape than this run's "
-                                 f"({type(source).__name__} {source.config.method} with {len(theirs)} tensors vs "
-                                 f"{len(ours)}): match --model.* to it")
-        wrong = [k for k in ours if ours[k].shape != theirs[k].shape]
-        if wrong:
-            raise SpectrainError(f"model.init_from {path}: tensor shapes differ from this run's drafter: {wrong[:4]}")
+        check_same_drafter(source, self.drafter, path)
         self.check_initial_drafter(source, path)
-        self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
+        ours = self.drafter.state_dict()
+        self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in source.state_dict().items()})
 
     def check_initial_drafter(self, source: torch.nn.Module, path: str) -> None:
         """Raise if ``source`` (``init_from``: same class, method, tensor names and shapes as this run's drafter)
-        still means something else to this run (EAGLE-3: other fused layers behind the same ``fc`` shape)."""
+        still means something else to this run (e.g. other fused verifier layers behind the same input shape)."""
 
     def checkpoint_record(self) -> dict:
         """What a checkpoint records about the drafter besides its weights, for :meth:`check_checkpoint`."""
@@ -231,6 +214,18 @@ class DrafterModule(L.LightningModule):
     def method_for(cls, init_args) -> str:
         """The method a recipe's ``init_args`` train, before the module is built (it names the run directory)."""
         return cls.method_name
+
+    # ``__init__`` arguments added after runs were saved, with the value that reproduces a config saved without
+    # them: a resumed run's config is compared with the saved one without them while they hold that value
+    # (``run_dir.py``). A subclass adds its own to these.
+    added_init_args: dict = {"verifier_device": "auto"}
+
+    @classmethod
+    def resume_ignores(cls, init_args: dict, saved: dict) -> tuple[str, ...]:
+        """``__init__`` arguments left out when a run is resumed and its config compared with the saved one:
+        those ``init_args`` (a config's, the saved one's or the resumed one's, as a dict) make meaningless, or
+        whose saved value (``saved``: the saved config's) stood for a default that changed since. None here."""
+        return ()
 
     def build_drafter(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -270,28 +265,7 @@ class DrafterModule(L.LightningModule):
         """The draft vocabulary a ranked head defaults to (None: this drafter writes no ranking)."""
         return self.train_vocab_size or 0
 
-    @staticmethod
-    def chain_counts(hits: list[torch.Tensor], masks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Joint chain statistics: depth j is reached only if depths 1..j all match the verifier.
-
-        Args:
-            hits, masks: per depth j, (B, n_j) top-1 matches and target validity; n_j shrinks with depth.
-        Returns:
-            counts over the positions where every depth has a target: ``chain_n``, ``chain_len`` (sum of
-            leading matches) and ``chain_ge_j`` (chains reaching past depth j).
-        """
-        n_pos = min(h.shape[1] for h in hits)
-        chain_ok = torch.ones_like(hits[0][:, :n_pos])
-        leading = torch.ones_like(chain_ok)
-        length = torch.zeros_like(hits[0][:, :n_pos], dtype=torch.long)
-        for hit, mask in zip(hits, masks):
-            chain_ok &= mask[:, :n_pos]
-            leading &= hit[:, :n_pos]
-            length += leading.long()
-        counts = {"chain_n": chain_ok.sum(), "chain_len": (length * chain_ok).sum()}
-        for j in range(len(hits)):
-            counts[f"chain_ge_{j}"] = ((length > j) & chain_ok).sum()
-        return counts
+    chain_counts = staticmethod(chain_counts)  # joint chain statistics (validation.py), for val counts
 
     def no_decay_params(self) -> tuple[torch.Tensor, ...]:
         """Weights that must not decay: e.g. lm_head rows a training vocabulary leaves without gradients."""
@@ -327,56 +301,24 @@ class DrafterModule(L.LightningModule):
         (``topk_ids``, ``topk_logprobs``, (B, T, k)) is passed through.
         """
         self.verifier.eval()
-        out: dict[str, torch.Tensor] = {}
-        if "hidden" in batch:  # offline store: the verifier already ran (spectrain-extract)
-            dtype = self.verifier_lm_head.weight.dtype
-            last = batch["hidden"].to(dtype)
-            width = last.shape[-1]
-            stored = list(self._store_layers)
-            layers = [batch["aux"][..., stored.index(i) * width:(stored.index(i) + 1) * width].to(dtype)
-                      for i in self.feature_layer_ids()]
-            out.update({k: batch[k] for k in ("greedy", "topk_ids", "topk_logprobs") if k in batch})
-        else:
-            last, layers = verifier_features(self.verifier, batch["input_ids"], batch.get("attention_mask"),
-                                             self.feature_layer_ids())
-        out.update(hidden=last, layers=layers)
-        if greedy and "greedy" not in out:
-            head = self.verifier_lm_head
-            out["greedy"] = projected_topk(last, head.weight, head.bias, k=1, chunk_size=self.topk_chunk_size)[..., 0]
-        return out
+        return batch_features(self.verifier, batch, self.feature_layer_ids(), getattr(self, "_store_layers", None),
+                              greedy, self.topk_chunk_size)
 
     # -- training vocabulary and loss memory -------------------------------------------------------------------
     def set_train_vocab(self, rows) -> None:
         """Choose the training vocabulary: the ``train_vocab_size`` most frequent loss-masked tokens of ``rows``
         (the counts are kept: the export writes them as the drafter's ``vocab_ranking.json``)."""
-        counts = token_counts(rows, self.verifier_lm_head.weight.shape[0])
-        self.vocab_counts = counts
-        top = most_frequent(counts, self.train_vocab_size)  # the same rule as EAGLE-3's draft vocabulary
+        self.vocab_counts, top, to_row = training_vocabulary(rows, self.verifier_lm_head.weight.shape[0],
+                                                             self.train_vocab_size)
         device = self.verifier_lm_head.weight.device
-        self.train_rows = top.to(device)
-        to_row = torch.full((counts.shape[0],), -1, dtype=torch.long)
-        to_row[top] = torch.arange(top.shape[0])
-        self.to_train_row = to_row.to(device)
-        self._frozen_rows = {}
+        self.train_rows, self.to_train_row = top.to(device), to_row.to(device)
+        self._frozen_rows.clear()
 
     def frozen_rows(self, head: torch.nn.Module, rows: Optional[torch.Tensor],
                     version: object = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(weight, bias) of a frozen projection restricted to ``rows`` (all if None), made once and kept.
-
-        ``version`` identifies the row set when ``rows`` is rebuilt per call (default: the tensor itself).
-
-        The verifier's ``lm_head`` never changes, so its row subset (and its cast to the verifier's compute
-        dtype) is not re-gathered every chunk of every step.
-        """
-        if rows is None:
-            return head.weight, head.bias
-        key = (id(head), head.weight.device, head.weight.dtype, rows.shape[0],
-               rows.data_ptr() if version is None else version)
-        if key not in self._frozen_rows:
-            rows = rows.to(head.weight.device)
-            self._frozen_rows = {key: (head.weight[rows].detach().contiguous(),
-                                       None if head.bias is None else head.bias[rows].detach().contiguous())}
-        return self._frozen_rows[key]
+        """(weight, bias) of a frozen projection restricted to ``rows`` (all if None), made once and kept
+        (:class:`~.teacher.FrozenRows`; ``version`` identifies a row set rebuilt per call)."""
+        return self._frozen_rows.get(head, rows, version)
 
     def teacher(self, features: dict, start: int, rows: torch.Tensor, projected: Optional[torch.Tensor],
                 to_projected: Optional[torch.Tensor], version: object = None) -> dict[str, torch.Tensor]:
@@ -388,17 +330,11 @@ class DrafterModule(L.LightningModule):
         verifier's ``lm_head`` restricted to ``projected`` (vocabulary ids, or None for all; ``version`` as in
         :meth:`frozen_rows`).
         """
-        hidden = features["hidden"]
-        end = hidden.shape[1] - 1
         if "topk_ids" in features:
-            width = features["topk_ids"].shape[-1]
-            ids, probs = sparse_teacher(features["topk_ids"][:, start:end].reshape(-1, width)[rows],
-                                        features["topk_logprobs"][:, start:end].reshape(-1, width)[rows], to_projected)
-            return {"sparse_ids": ids, "sparse_probs": probs}
+            return sparse_targets(features, start, rows, to_projected)
         weight, bias = self.frozen_rows(self.verifier_lm_head, projected, version)
-        transform = LogitTransform.of(self.verifier.config)  # q as the verifier's head computes it (soft-cap, scale)
-        return {"teacher_states": hidden[:, start:end].reshape(-1, hidden.shape[-1])[rows], "teacher_weight": weight,
-                "teacher_bias": bias, "teacher_transform": None if transform.identity else transform}
+        # q as the verifier's head computes it (soft-cap, scale)
+        return dense_targets(features["hidden"], start, rows, weight, bias, LogitTransform.of(self.verifier.config))
 
     def distribution_loss(self, states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           teacher: dict, recompute: bool) -> torch.Tensor:
@@ -421,9 +357,9 @@ class DrafterModule(L.LightningModule):
             self.use_store(data.store_meta)
         if self.train_vocab_size and self.train_rows is None and data is not None and data.train_set is not None:
             self.set_train_vocab(data.vocab_rows() if hasattr(data, "vocab_rows") else data.train_set)
-        world, rank = self.trainer.world_size if self._trainer is not None else 1, self.global_rank
+        world, rank = self.world_size, self.global_rank
         if stage == "fit" and world > 1 and not self._rank_seeded:
-            # One random stream per rank (EAGLE-1's feature noise): seed_everything gave every rank the same seed.
+            # One random stream per rank (a family's input noise): seed_everything gave every rank the same seed.
             # The drafter is already built, and DDP starts every rank from rank 0's weights. A resumed run then
             # restores each rank's own saved stream (on_load_checkpoint runs after setup).
             torch.manual_seed(torch.initial_seed() + rank)
@@ -450,10 +386,10 @@ class DrafterModule(L.LightningModule):
         dtype = resolve_dtype(self.verifier_dtype, self.device)
         if self.verifier_lm_head.weight.dtype != dtype:  # trained on another device than the one loaded for
             cast_module(self.verifier, dtype)
-            self._frozen_rows = {}
+            self._frozen_rows.clear()
 
     def teardown(self, stage: str) -> None:
-        self._frozen_rows = {}  # cached row subsets are not moved by .to()/.cpu(): never keep one past a stage
+        self._frozen_rows.clear()  # cached row subsets are not moved by .to()/.cpu(): never keep one past a stage
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def step_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -579,35 +515,21 @@ class DrafterModule(L.LightningModule):
     # -- checkpoints: trainable weights + resume state, never the verifier ----------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         self.sync_trained_tokens()  # every rank saves (Lightning writes on rank 0 only)
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(VERIFIER_PREFIX)}
+        checkpoint["state_dict"] = without_verifier(checkpoint["state_dict"])
         checkpoint["spectrain"] = {"verifier": self.verifier_name, "method": self.method_name,
                                    "trained_tokens": self.trained_tokens, "train_seconds": self.train_seconds,
                                    "curve": self.curve, **self.checkpoint_record()}
-        # The RNG streams the loss draws from (EAGLE-1's feature noise), so a resumed run draws the same numbers:
+        # The RNG streams the loss draws from (a family's input noise), so a resumed run draws the same numbers:
         # every rank's own (CPU, and its own device's on CUDA), gathered into rank 0's checkpoint.
-        device = self.rng_device()
-        mine = {"torch": torch.get_rng_state(),
-                **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
-        world = self.trainer.world_size if self._trainer is not None else 1
-        ranks = [mine] * world
-        if world > 1:
-            torch.distributed.all_gather_object(ranks, mine)
-        checkpoint["rng"] = {"ranks": ranks}
+        checkpoint["rng"] = gathered_rng_state(rank_rng_state(self.rng_device()), self.world_size)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("spectrain", {})
-        if saved.get("method", self.method_name) != self.method_name:
-            raise SpectrainError(f"checkpoint is for {saved.get('method')!r}, not {self.method_name!r}")
         weights = checkpoint.get("state_dict")  # absent under FSDP: its strategy has loaded them already
         own = self.drafter.state_dict() if weights is not None else {}
-        missing = [k for k in own if f"drafter.{k}" not in weights]
-        if missing:
-            raise SpectrainError(f"checkpoint lacks drafter weights {missing[:4]}: it is not a {self.method_name} checkpoint")
+        check_method_and_names(saved, own, weights, self.method_name)
         self.check_checkpoint(saved)
-        wrong = [k for k, v in own.items() if tuple(weights[f"drafter.{k}"].shape) != tuple(v.shape)]
-        if wrong:
-            raise SpectrainError(f"the checkpoint's drafter has other shapes ({wrong[:3]}): it was trained with "
-                                 "another config")
+        check_shapes(own, weights)
         self.trained_tokens = int(saved.get("trained_tokens", 0))
         self.train_seconds = float(saved.get("train_seconds", 0.0))
         self.curve = list(saved.get("curve", []))
@@ -616,15 +538,12 @@ class DrafterModule(L.LightningModule):
 
     def restore_rng(self, rng: dict) -> None:
         """This rank's saved streams; a run resumed on another number of ranks keeps its fresh per-rank seeds."""
-        world = self.trainer.world_size if self._trainer is not None else 1
-        ranks = rng.get("ranks") or ([{"torch": rng["torch"]}] if "torch" in rng else [])  # older: rank 0's only
-        if len(ranks) != world:
-            return
-        mine = ranks[self.global_rank]
-        torch.set_rng_state(mine["torch"])
-        device = self.rng_device()
-        if "cuda" in mine and device.type == "cuda":
-            torch.cuda.set_rng_state(mine["cuda"], device)
+        restore_rank_rng(rng, self.world_size, self.global_rank, self.rng_device())
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the run (1 outside a trainer)."""
+        return self.trainer.world_size if self._trainer is not None else 1
 
     def verifier_is_sharded(self) -> bool:
         """Whether a strategy sharded the verifier's layers (FSDP): outside their forward they hold shards only."""
@@ -637,35 +556,7 @@ class DrafterModule(L.LightningModule):
 
     def drafter_state_from_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
         """The drafter's weights from a Lightning checkpoint of this module (loaded with weights_only)."""
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
-        return {k[len("drafter."):]: v for k, v in state.items() if k.startswith("drafter.")}
+        return drafter_state(path)
 
     method_name = "drafter"
 
-
-def local_device() -> torch.device:
-    """The device this process trains on: its local rank's GPU (``LOCAL_RANK``, set by Lightning's launcher and
-    torchrun; ``SLURM_LOCALID`` under srun), the CPU without CUDA."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
-    return torch.device("cuda", local % torch.cuda.device_count())
-
-
-def ddp_ignored_names(module: torch.nn.Module) -> list[str]:
-    """Names DDP must neither broadcast nor sync: the frozen verifier's parameters and every buffer."""
-    frozen = [n for n, _ in module.named_parameters() if n.startswith(VERIFIER_PREFIX)]
-    return frozen + [n for n, _ in module.named_buffers()]
-
-
-def reduce_sums(sums: dict[str, torch.Tensor], strategy, world: int, device) -> dict[str, torch.Tensor]:
-    """Validation count sums added over ranks. A rank that saw no batch (or no key another rank saw) adds zeros
-    of the same shape, so every rank enters the same reductions in the same order. A collective when
-    ``world > 1``."""
-    if world > 1:
-        shapes: list = [None] * world
-        torch.distributed.all_gather_object(shapes, {k: tuple(v.shape) for k, v in sums.items()})
-        union = {k: shape for rank in shapes for k, shape in rank.items()}
-        sums = {k: sums[k] if k in sums else torch.zeros(union[k], dtype=torch.float64, device=device)
-                for k in sorted(union)}
-    return {k: strategy.reduce(v, reduce_op="sum") for k, v in sums.items()}

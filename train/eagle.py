@@ -97,6 +97,19 @@ class EagleModule(DrafterModule):
     def method_for(cls, init_args) -> str:
         return getattr(init_args, "variant", None) or "eagle3"
 
+    added_init_args = {**DrafterModule.added_init_args, "layer_init": "random", "norm_init": "default",
+                       "drop_outside_vocab": False}
+
+    @classmethod
+    def resume_ignores(cls, init_args: dict, saved: dict) -> tuple[str, ...]:
+        """``drop_outside_vocab`` of an eagle1 config (an eagle3 option: eagle1 ignores it); ``aux_layer_ids`` when
+        the saved run had the default fused layers (null): it may be resumed with them named explicitly (the
+        default changed for small verifiers; the checkpoint's record of its layers is checked on load)."""
+        ignored = ("drop_outside_vocab",) if init_args.get("variant") == "eagle1" else ()
+        if "aux_layer_ids" in saved and saved["aux_layer_ids"] is None:
+            ignored += ("aux_layer_ids",)
+        return ignored
+
     def build_drafter(self) -> EagleDrafter:
         drafter = EagleDrafter.for_verifier(self.verifier, self.variant, self.draft_vocab_size, self.aux_layer_ids,
                                             verifier_name=self.verifier_name, **self.norm_flags)
