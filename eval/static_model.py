@@ -34,6 +34,10 @@ from spectrain.heads.verifier import LogitTransform
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # the hand-written path's families
 PATHS = ("auto", "llama", "layers")
 ATTENTION_ROWS = 16  # query rows per attention call in batch-invariant decoding
+# The widest matmul whose rows equal a 2-row call's, bit for bit: oneDNN's bf16 GEMM switches its blocking
+# (and its reduction order) past 32 rows (measured on SmolLM2's shapes, torch 2.13, AMX: 33-41 rows on).
+# Batch-invariant forwards wider than this run as consecutive sub-forwards of at most this many rows.
+INVARIANT_ROWS = 32
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -194,8 +198,10 @@ class StaticCausalLM:
         self.batch_invariant = batch_invariant
         self.attention_rows = ATTENTION_ROWS if batch_invariant else None
         # A 1-row matmul takes a matrix-vector kernel whose reduction order differs from the 2+-row one (measured:
-        # the down projection, 1 bf16 ulp): batch-invariant forwards run at least 2 rows (the second a padding row).
+        # the down projection, 1 bf16 ulp): batch-invariant forwards run at least 2 rows (the second a padding row),
+        # and at most INVARIANT_ROWS (a wider one runs as sub-forwards of that many rows).
         self.min_rows = 2 if batch_invariant else 1
+        self.max_rows = INVARIANT_ROWS if batch_invariant else None
         # Static shapes (attention over the whole buffer, so a forward's shapes depend on n only): what a CUDA
         # graph, a compiled graph and batch-invariant decoding need. The default on CUDA and with batch_invariant.
         self.static = (self.device.type == "cuda" or batch_invariant) if static is None else static
@@ -259,6 +265,22 @@ class StaticCausalLM:
             span = self.length + n  # attend over the filled part only
             out, self.aux = self._forward_layers(input_ids, positions, mask[:, :span], slots, span)
             return out
+        if self.max_rows is None or n <= self.max_rows:
+            return self._static_run(input_ids, positions, mask, slots)
+        # Batch-invariant and wider than the matmuls stay invariant: consecutive sub-forwards. Each writes its
+        # slots before attending, and a row's mask admits only earlier slots (its chain or tree ancestors) and
+        # itself, so later sub-forwards see the K/V the earlier ones wrote: the same attention as one forward.
+        outs, auxes = [], []
+        for start in range(0, n, self.max_rows):
+            part = slice(start, start + self.max_rows)
+            outs.append(self._static_run(input_ids[part], positions[part], mask[part], slots[part]))
+            auxes.append(self.aux)
+        self.aux = None if auxes[0] is None else torch.cat(auxes)
+        return torch.cat(outs)
+
+    def _static_run(self, input_ids, positions, mask, slots):
+        """One static-shape forward of n rows (padded to a compiled size, or to ``min_rows``): (n, H)."""
+        n = input_ids.shape[0]
         size = self.bucket(n)
         if size is None and n < self.min_rows:  # batch-invariant: a 1-row forward runs as 2 rows, eagerly
             input_ids, positions, mask, slots = self._pad(self.min_rows - n, input_ids, positions, mask, slots)
@@ -327,7 +349,8 @@ class StaticCausalLM:
             raise SpectrainError("compile() needs static shapes: StaticCausalLM(..., static=True) (the CUDA default)")
         if self.length:
             raise SpectrainError("compile() warms up on an empty cache: call it before decoding")
-        self.buckets = tuple(sorted({max(int(s), self.min_rows) for s in sizes if 1 <= int(s) <= self.max_len}))
+        cap = self.max_rows or self.max_len  # batch-invariant: a wider forward runs as sub-forwards of max_rows
+        self.buckets = tuple(sorted({min(max(int(s), self.min_rows), cap) for s in sizes if 1 <= int(s) <= self.max_len}))
         if not self.buckets:
             raise SpectrainError("compile() needs at least one forward size in 1..max_len")
         if mode == "auto":
@@ -374,12 +397,19 @@ class StaticCausalLM:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., V) in fp32, as the model's head computes them (its family's :class:`LogitTransform`,
-        in fp32); batch-invariant: a single row runs as 2, like the layers' matmuls."""
-        if self.min_rows > 1 and hidden.dim() == 2 and hidden.shape[0] == 1:
-            logits = self.lm_head(torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])]))[:1].float()
+        in fp32); batch-invariant: rows in calls of 2 to ``max_rows``, like the layers' matmuls."""
+        if self.max_rows is not None and hidden.dim() == 2:
+            logits = torch.cat([self._head_rows(hidden[i:i + self.max_rows])
+                                for i in range(0, hidden.shape[0], self.max_rows)])
         else:
             logits = self.lm_head(hidden).float()
         return logits if self.logit_transform.identity else self.logit_transform(logits)
+
+    def _head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, H) -> (n, V) fp32 for 1 <= n <= max_rows, a single row run as 2 (batch-invariant)."""
+        if hidden.shape[0] >= self.min_rows:
+            return self.lm_head(hidden).float()
+        return self.lm_head(torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])]))[:1].float()
 
     # -- cache bookkeeping ------------------------------------------------------------------------------------------
     def commit(self, n: int, src_slots: torch.Tensor | None = None) -> None:

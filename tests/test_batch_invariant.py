@@ -15,10 +15,11 @@ from spectrain.heads.precision import cast_module
 from spectrain.heads.verifier import Verifier
 from tests.eval_helpers import bigram_verifier, oracle_medusa
 
-# The negative controls below (the old loop's kernels depend on the forward's width, so its rows part from
-# one-token steps) run on every CPU: measured where bf16 is native (AMX / AVX512-BF16) and where it is emulated
-# (AMD EPYC Zen 3, AVX2 only, 2026-12-04: 10 of 16 row comparisons, 9 of 13 attention calls and 2 of 4 chains
-# part). A CPU where they do not part fails these tests rather than passing them without a control.
+# The negative control of the rows test (the old loop's kernels depend on the forward's width, so its rows part
+# from one-token steps) runs on every CPU: measured where bf16 is native (AMX / AVX512-BF16) and where it is
+# emulated (AMD EPYC Zen 3, AVX2 only, 2026-12-04: 10 of 16 row comparisons part). The fused attention kernel's
+# own control depends on the CPU and torch release (row-invariant at these shapes on an AMX Xeon under torch 2.13,
+# 2026-12-05): it skips saying so where there is nothing to control.
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_batch_invariant_rows_equal_one_token_steps(bf16_model):
     invariant = StaticCausalLM(bf16_model, max_len=200)
     assert invariant.batch_invariant and invariant.static  # the CPU bf16 default
     old = StaticCausalLM(bf16_model, max_len=200, batch_invariant=False)
-    # 100 rows: 200 folded query rows, past the fused kernel's switch to larger query blocks (192)
+    # 33 and 100 rows: past INVARIANT_ROWS (the bf16 GEMM re-blocks past 32 rows), run as sub-forwards
     old_mismatches = 0
     for start in (20, 37, 60, 97):
         for n in (2, 6, 33, 100):
@@ -66,10 +67,8 @@ def test_batch_invariant_rows_equal_one_token_steps(bf16_model):
     assert old_mismatches > 0  # negative control: without batch invariance the same comparisons fail
 
 
-def test_attention_in_fixed_row_calls_is_row_invariant():
-    """SmolLM2's attention shapes (9 query / 3 KV heads, head_dim 64, a 601-slot static span): with fixed-size
-    calls each query row's output is bit-equal however many rows run beside it and wherever it sits; the fused
-    kernel called on the whole forward is not (negative control)."""
+def _attention_case():
+    """SmolLM2's attention shapes: 9 query / 3 KV heads, head_dim 64, a 601-slot static span, 80 query rows."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 9, 80, 64, generator=g).bfloat16()
     keys, values = (torch.randn(1, 3, 601, 64, generator=g).bfloat16() for _ in range(2))
@@ -78,14 +77,33 @@ def test_attention_in_fixed_row_calls_is_row_invariant():
     def attend(rows_, start, n):
         return grouped_attention(q[:, :, start:start + n], keys, values, mask[:, :, start:start + n], 0.125, rows_)
 
+    return attend
+
+
+WINDOWS = [(n, start) for n in (2, 6, 33, 65, 80) for start in sorted({0, 80 - n, (80 - n) // 2})]
+
+
+def test_attention_in_fixed_row_calls_is_row_invariant():
+    """With fixed-size calls each query row's output is bit-equal however many rows run beside it and wherever
+    it sits (the fused kernel's own choice of blocking by row count never reaches it)."""
+    attend = _attention_case()
     single = torch.cat([attend(ATTENTION_ROWS, i, 1) for i in range(80)], 2)
+    for n, start in WINDOWS:
+        assert torch.equal(attend(ATTENTION_ROWS, start, n), single[:, :, start:start + n])
+
+
+def test_the_fused_kernel_on_the_whole_forward_parts_where_the_cpu_blocks_by_rows():
+    """Negative control, CPU-dependent: called on the whole forward, the fused kernel's rows depend on the row
+    count (measured on AMX / AVX512-BF16 and AVX2-only CPUs under earlier torch releases). On a CPU and torch
+    whose kernel happens to be row-invariant at these shapes there is nothing to control: skipped, saying so
+    (the matmul control in test_batch_invariant_rows_equal_one_token_steps runs everywhere)."""
+    attend = _attention_case()
     plain_single = torch.cat([attend(None, i, 1) for i in range(80)], 2)
-    plain_differs = False
-    for n in (2, 6, 33, 65, 80):
-        for start in {0, 80 - n, (80 - n) // 2}:
-            assert torch.equal(attend(ATTENTION_ROWS, start, n), single[:, :, start:start + n])
-            plain_differs |= not torch.equal(attend(None, start, n), plain_single[:, :, start:start + n])
-    assert plain_differs
+    parted = sum(not torch.equal(attend(None, start, n), plain_single[:, :, start:start + n]) for n, start in WINDOWS)
+    if parted == 0:
+        pytest.skip(f"this CPU's fused attention kernel (torch {torch.__version__}, "
+                    f"{torch.backends.cpu.get_cpu_capability()}) is row-invariant at these shapes: no control here")
+    assert parted > 0
 
 
 def test_bf16_chain_output_equals_ar_by_construction(bf16_model):
