@@ -57,12 +57,12 @@ from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, fi
 
 from spectrain.heads.dflash_gguf import write_dflash_gguf  # noqa: E402
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map  # noqa: E402
+from spectrain.heads.eagle_gguf import ARCH, write_eagle3_gguf  # noqa: E402
 from spectrain.eval.decode_dtype import cpu_record  # noqa: E402
 from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
 from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
 from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
-from spectrain.heads.llama_cpp import (ARCH, read_metadata, write_eagle3_gguf, write_gguf,  # noqa: E402
-                                       write_verifier_gguf)
+from spectrain.heads.llama_cpp import read_metadata, write_gguf, write_verifier_gguf  # noqa: E402
 from spectrain.heads.report import finish, format_table  # noqa: E402
 from spectrain.heads.verifier import load_verifier, resolve_verifier  # noqa: E402
 

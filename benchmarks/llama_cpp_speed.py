@@ -51,11 +51,12 @@ from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, dr
                               find_binary, rounds_and_tau)
 
 from spectrain.eval.decode_dtype import cpu_line, cpu_record  # noqa: E402
+from spectrain.heads.eagle_gguf import write_eagle3_gguf  # noqa: E402
 from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
 from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
 from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
 from spectrain.heads.io import read_json  # noqa: E402
-from spectrain.heads.llama_cpp import write_eagle3_gguf, write_verifier_gguf  # noqa: E402
+from spectrain.heads.llama_cpp import write_verifier_gguf  # noqa: E402
 from spectrain.heads.report import finish, format_table  # noqa: E402
 from spectrain.heads.verifier import load_tokenizer, resolve_verifier  # noqa: E402
 

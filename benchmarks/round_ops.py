@@ -25,7 +25,9 @@ import torch
 from spectrain.eval import decode as decode_mod
 from spectrain.eval.accept import accept
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import Autoregressive, Drafter, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter
+from spectrain.eval.drafters import Autoregressive, Drafter
+from spectrain.eval.eagle import EagleChainDrafter, EagleTreeDrafter
+from spectrain.eval.medusa import MedusaDrafter
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.eagle import EagleDrafter

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from spectrain.heads.eagle_gguf import write_eagle3_gguf
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.formats import check_format_for, export_drafter, import_drafter, method_of, weights_file
 from spectrain.heads.io import atomic_dir, read_json, write_json
-from spectrain.heads.llama_cpp import write_eagle3_gguf
 from spectrain.heads.report import finish, format_table
 
 

@@ -184,7 +184,7 @@ class DrafterDataModule(L.LightningDataModule):
         return train, val
 
     def vocab_rows(self, limit: int = 4096):
-        """Rows to count token frequencies over (EAGLE-3's draft vocabulary): all of them, or a stream's first."""
+        """Rows to count token frequencies over (a fixed draft vocabulary's): all of them, or a stream's first."""
         if self.streaming:
             import itertools
 

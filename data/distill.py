@@ -1,7 +1,7 @@
 """``spectrain-distill``: regenerate the assistant turns of a chat dataset with the verifier (self-distillation).
 
 Drafters accept more when they learn the verifier's own outputs rather than some other model's (the data
-recipe of Medusa and EAGLE-3). This takes prompts from ShareGPT / ``messages`` / Alpaca / MT-bench-style
+recipe of self-distillation). This takes prompts from ShareGPT / ``messages`` / Alpaca / MT-bench-style
 files, keeps the user turns (the first ``--max_turns``), and has the verifier answer each one in turn — a
 later turn sees the verifier's earlier answers — in batches (left-padded ``generate()``, similar prompt lengths together), greedy or sampled.
 ``--responses original`` writes the raw twin instead: the same conversations and turns with the dataset's own

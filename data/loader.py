@@ -154,7 +154,7 @@ class ResumableLoader:
         epoch, skip = divmod(done, per_epoch)
         indices = self.epoch_indices(epoch)[skip * self.batch_size:]
         # A generator of its own: a DataLoader without one draws its worker seed from the global RNG, which
-        # would shift the random stream a resumed run restores (EAGLE-1's feature noise draws from it).
+        # would shift the random stream a resumed run restores (a drafter's feature noise draws from it).
         return iter(DataLoader(Subset(self.dataset, indices), batch_size=self.batch_size, shuffle=False,
                                drop_last=True, collate_fn=self.collate_fn, num_workers=self.num_workers,
                                pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(self.seed + epoch)))

@@ -1,6 +1,6 @@
 """``spectrain-rank-vocab``: give a drafter the token counts its ranked draft heads read.
 
-Training writes ``vocab_ranking.json`` beside every Medusa / EAGLE drafter it exports (the loss-masked tokens of
+Training writes ``vocab_ranking.json`` beside every drafter it exports (the loss-masked tokens of
 its training rows). A drafter trained elsewhere, or before rankings were written, gets one here: the
 loss-masked (assistant) tokens of the given data files, tokenized and rendered exactly as training renders
 them (``DrafterDataModule``), counted and written into the drafter's directory (atomically). Then

@@ -316,7 +316,8 @@ def main(argv=None) -> None:
     p.add_argument("--gguf_file", default=None)
     p.add_argument("--data", default=None, help="data path as for train_* --data.path (default: bundled text)")
     p.add_argument("--block_size", type=int, default=128)
-    p.add_argument("--layer_ids", default="auto", help="comma-separated HF hidden_states indices, or auto (EAGLE-3's)")
+    p.add_argument("--layer_ids", default="auto", help="comma-separated HF hidden_states indices, or auto (low, middle and high layers: "
+                   "the fusing drafters' default)")
     p.add_argument("--out", required=True, help="store directory; gets train/ and validation/ stores")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="the store's dtype for hidden states")
     p.add_argument("--verifier_dtype", default="auto",
@@ -331,14 +332,14 @@ def main(argv=None) -> None:
 
 def extract_command(args) -> None:
     """``spectrain-extract``'s body: extract both splits, then report them (last line: the train metadata)."""
-    from spectrain.heads.eagle import default_aux_layers
+    from spectrain.heads.layers import spread_layers
     from spectrain.heads.verifier import load_verifier
 
     from .datamodule import DrafterDataModule
 
     verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, dtype=args.verifier_dtype, device=args.device)
     try:
-        layers = (default_aux_layers(verifier.config.num_hidden_layers) if args.layer_ids == "auto"
+        layers = (spread_layers(verifier.config.num_hidden_layers) if args.layer_ids == "auto"
                   else [int(x) for x in args.layer_ids.split(",")])
     except ValueError:
         raise SpectrainError(f"--layer_ids takes comma-separated integers or auto, got {args.layer_ids!r}") from None

@@ -20,9 +20,16 @@ from spectrain.heads.verifier import load_verifier, resolve_dtype
 
 from .decode_dtype import cpu_record, decode_dtype
 from .evaluate import Settings, evaluate_drafter, load_drafter, methods
-from .families import learned_methods
+from .families import evaluator_of, learned_methods
 from .plots import write_plots
 from .prompts import BUNDLED, load_prompts
+
+
+def families_that(wants) -> str:
+    """The registered families whose evaluator ``wants`` (for ``--help``)."""
+    from spectrain.heads.families import families
+
+    return ", ".join(f.name for f in families() if wants(evaluator_of(f)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--verifier", default="bundled:tinyshakespeare", help="hub id, local dir or bundled:<name>")
     p.add_argument("--gguf_file", default=None, help="GGUF file inside --verifier")
-    p.add_argument("--method", default="medusa", choices=methods(), help="drafter kind")
+    p.add_argument("--method", default=methods()[0], choices=methods(),
+                   help="drafter kind (default: the first bundled family)")
     p.add_argument("--drafter", default=None, help="drafter directory: a train_medusa / train_eagle run dir, or "
                    "an export in any spectrain-export format (vLLM, SGLang, TensorRT-LLM, speculators); "
                    "--method hybrid takes either kind")
@@ -47,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "than the learned drafter's, for a wider verify pass")
     p.add_argument("--min_confidence", type=float, default=0.0, metavar="P",
                    help="a chain verifies only the drafts its confidence head expects to survive: the longest "
-                        "prefix whose predicted probability of being accepted whole is >= P (DSpark drafters "
-                        "trained with --model.confidence_head; also a hybrid's learned rounds); 0: every draft")
+                        "prefix whose predicted probability of being accepted whole is >= P (drafters with "
+                        "a confidence head; also a hybrid's learned rounds); 0: every draft")
     p.add_argument("--draft_model", default=None, help="draft LM for --method draft-model (same tokenizer)")
     p.add_argument("--draft_layers", type=int, default=1, help="layers kept by --method truncated")
     p.add_argument("--allow_verifier_mismatch", action="store_true",
@@ -56,10 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="chain length (drafts per round); 0 skips the chain")
     p.add_argument("--tree", default=None,
                    help="static tree: JSON list of rank paths (inline or file), or auto:N for the best N-node tree "
-                        "from measured per-head rank accuracies (Medusa)")
+                        f"from measured per-head rank accuracies ({families_that(lambda e: e.rank_trees)})")
     p.add_argument("--dynamic_tree", default=None, metavar="DEPTH,TOPK,BUDGET",
-                   help="also evaluate an EAGLE-2-style dynamic tree: the drafter's own top-k expansion "
-                        "(eagle, hybrid, draft-model, truncated)")
+                   help="also evaluate a dynamic tree (EAGLE-2's): the drafter's own top-k expansion "
+                        f"({families_that(lambda e: e.dynamic_trees)}, hybrid, draft-model, truncated)")
     p.add_argument("--prompts", default=BUNDLED, help="MT-bench/Alpaca turns jsonl, json, text file, or bundled")
     p.add_argument("--num_prompts", type=int, default=20)
     p.add_argument("--first_turns", action="store_true", help="ask each prompt's first turn only")
@@ -87,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Qwen3 layer), layers (the model's own decoder layers: any family whose layers take a cache "
                         "and a 4-D mask), auto (llama where it applies, else layers)")
     p.add_argument("--draft_vocab", type=int, default=None, metavar="N",
-                   help="Medusa / EAGLE-1 / DFlash: draft over the N most frequent tokens of the drafter's training data "
+                   help="a learned drafter not trained over a fixed draft vocabulary: draft over the N most frequent tokens of the drafter's training data "
                         "(its vocab_ranking.json); 0 = the full vocabulary. Default: the vocabulary it trained over "
                         "(full when it records none). The verifier always verifies over the full vocabulary, so "
                         "outputs are unchanged; only the drafting cost and tau move")

@@ -250,5 +250,6 @@ def _dflash_drafter(drafter, model, tree, *, dynamic=None, vocab=None, min_confi
 
 DFLASH = FamilyEvaluator(build=_dflash_drafter, static_trees=False, dynamic_trees=True,
                          confidence=lambda drafter: drafter.config.confidence_head,
+                         confidence_hint="DSpark's: train a dflash drafter with --model.confidence_head true",
                          max_depth=lambda drafter: drafter.config.drafts,
                          capture=lambda drafter: drafter.config.capture_ids)

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.medusa import MedusaHeads
-from spectrain.heads.verifier import drafter_embedding
 
 from .accept import Sampling, sample, target_probs
 from .static_model import StaticCausalLM
@@ -33,7 +31,7 @@ class DraftState:
     sampling: Sampling
     generator: torch.Generator | None = None
     history: list[int] = field(default_factory=list)  # the same context on the host (kept by the decoder)
-    # For feature-based drafters (EAGLE): verifier features of the positions committed since the last round,
+    # For feature-based drafters: verifier features of the positions committed since the last round,
     # (m, F), and the token that follows each of them, (m,).
     new_features: torch.Tensor | None = None
     new_tokens: torch.Tensor | None = None
@@ -51,8 +49,8 @@ class Drafter:
     none)."""
 
     name = "base"
-    wants_features = False  # EAGLE drafters read the verifier's features of every committed position
-    capture_layers: tuple[int, ...] = ()  # HF hidden_states indices the verifier must keep (EAGLE-3)
+    wants_features = False  # feature-based drafters read the verifier's features of every committed position
+    capture_layers: tuple[int, ...] = ()  # HF hidden_states indices the verifier must keep (fused layers)
 
     def __init__(self, tree: Tree | None = None):
         self.tree = tree if tree is not None else Tree.chain(0)
@@ -93,67 +91,6 @@ def check_draft_vocab(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tens
     if int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size or bool((vocab.diff() <= 0).any()):
         raise SpectrainError(f"draft vocabulary ids must be ascending, distinct and below {vocab_size}")
     return vocab
-
-
-class MedusaDrafter(Drafter):
-    """Medusa heads: node at depth d with rank r takes head d's r-th most likely token.
-
-    ``vocab`` (N,) target ids: every head drafts over those N rows only (their weights gathered once, here),
-    so a round costs K x N x H multiply-accumulates instead of K x V x H; the verifier still checks the full
-    vocabulary, so outputs are unchanged (a token outside the rows is never drafted, it is only not proposed).
-    """
-
-    name = "medusa"
-
-    def __init__(self, heads: MedusaHeads, verifier_lm_head, tree: Tree, vocab: torch.Tensor | None = None):
-        if tree.max_depth > heads.config.num_heads:
-            raise SpectrainError(f"the tree is {tree.max_depth} deep but there are only {heads.config.num_heads} "
-                                 "Medusa heads")
-        super().__init__(tree)
-        weight = verifier_lm_head.weight
-        self.heads, self.lm_head = heads.to(weight.device, weight.dtype), verifier_lm_head
-        self.max_rank = int(tree.rank.max()) + 1 if tree.size else 1
-        self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # (head, rank) per node, on the device
-        vocab = check_draft_vocab(vocab, weight.shape[0])
-        self.vocab = None if vocab is None else vocab.to(weight.device)
-        self._ranked = None if vocab is None else self._gather(self.vocab)
-
-    def _gather(self, vocab: torch.Tensor):
-        """The heads' vocabulary rows at ``vocab``: one (N, H) weight when every head shares the verifier's
-        ``lm_head``, else (K, N, H); biases (N,) / (K, N) or None. Frozen: copied once per drafter."""
-        params = [self.heads.lm_head_params(k, self.lm_head) for k in range(self.heads.config.num_heads)]
-        if self.heads.lm_heads is None:
-            weight, bias = params[0]
-            return weight[vocab], None if bias is None else bias[vocab]
-        weights = torch.stack([w[vocab] for w, _ in params])
-        biases = None if params[0][1] is None else torch.stack([b[vocab] for _, b in params])
-        return weights, biases
-
-    def _logits_many(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (K, ..., V) fp32 head logits over the full vocabulary (calibration)."""
-        return self.heads(hidden.to(self.lm_head.weight.dtype), self.lm_head).float()
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(H,) -> (K, N) head logits over the draft vocabulary (N = V without one)."""
-        if self._ranked is None:
-            return self._logits_many(hidden[None])[:, 0]
-        weight, bias = self._ranked
-        states = torch.cat(self.heads.head_states(hidden[None].to(weight.dtype)))  # (K, H)
-        if weight.dim() == 2:  # a shared head: all K heads in one (K, H) x (H, N) product
-            return torch.nn.functional.linear(states, weight, bias).float()
-        logits = torch.bmm(weight, states[:, :, None])[:, :, 0]  # (K, N)
-        return (logits if bias is None else logits + bias).float()
-
-    def propose(self, state: DraftState) -> Proposal:
-        if self.tree.size == 0:
-            return Proposal(tokens=state.tokens.new_zeros(0))
-        logits = self._logits(state.hidden)  # (K, N)
-        top = logits.topk(self.max_rank, dim=-1).indices  # (K, R)
-        if self.vocab is not None:
-            top = self.vocab[top]
-        if self._index is None or self._index[0].device != top.device:  # once: no host-to-device copy per round
-            self._index = (self.tree.depth.to(top.device) - 1, self.tree.rank.to(top.device))
-        return Proposal(tokens=top[self._index])
 
 
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches (vLLM's default prompt_lookup_max is 4; 3 measured here)
@@ -222,7 +159,7 @@ def merge_branch(tokens: list[int], tree: Tree, branch: list[int]) -> tuple[list
 
 
 class HybridDrafter(Drafter):
-    """Prompt lookup and a learned drafter (Medusa or EAGLE) in one decoder.
+    """Prompt lookup and a learned drafter (any family's) in one decoder.
 
     * ``merge=False`` (a chain): each round drafts the lookup's continuation (``lookup`` tokens, default ``k``)
       when the context's last ``min_match`` or more tokens occurred earlier, and the learned drafter's chain of
@@ -231,7 +168,7 @@ class HybridDrafter(Drafter):
       the verifier sees ``lookup + 1`` rows then. At T > 0 the
       match must be ``min_match_sampled`` tokens long (n-grams that long are looked up): a deterministic lookup
       token is accepted with probability q(c) while the learned drafter's sampled draft is accepted with
-      min(1, q/p), so only long matches pay there (SmolLM2 + EAGLE-1, 16 MT-bench prompts, T = 1: accepted
+      min(1, q/p), so only long matches pay there (SmolLM2 and its shipped one-layer drafter, 16 MT-bench prompts, T = 1: accepted
       drafts per round by lookup vs by the learned drafter in contexts with such a match: 0.80 vs 1.13 for
       2-token matches, 0.97 vs 0.73 for 3, ~2.5 vs ~0.6 for 4 to 6, docs/smollm2.md §4);
     * ``merge=True`` (a tree): each round drafts the learned drafter's tree with the lookup's continuation merged
@@ -239,7 +176,7 @@ class HybridDrafter(Drafter):
 
     Lossless like the others: the choice depends only on the context, and each round's candidates are verified
     by the rule for their kind (deterministic lookup tokens and top-k nodes by the multi-candidate rule, sampled
-    chain drafts against their p). An EAGLE drafter reads the features of every committed position; those of
+    chain drafts against their p). A feature-based drafter reads the features of every committed position; those of
     rounds drafted by lookup are kept and handed to its next round, so it never runs on lookup rounds.
     """
 
@@ -370,7 +307,7 @@ def truncated_verifier(model, num_layers: int):
 
 def grow_dynamic_tree(root_logp: torch.Tensor, depth_cap: int, topk: int, budget: int, expand,
                       vocab: torch.Tensor | None = None) -> Proposal:
-    """An EAGLE-2 dynamic tree, built on the device (no host read).
+    """A dynamic tree (EAGLE-2's), built on the device (no host read).
 
     The root's ``topk`` best tokens start it; at each of ``depth_cap - 1`` levels the ``topk`` best frontier
     nodes (by cumulative log-probability) are expanded by their ``topk`` best children in one drafter pass:
@@ -420,7 +357,7 @@ def grow_dynamic_tree(root_logp: torch.Tensor, depth_cap: int, topk: int, budget
 
 
 class DynamicTreeDrafter(ModelDrafter):
-    """EAGLE-2-style dynamic tree from an autoregressive draft model.
+    """A dynamic tree (EAGLE-2's) from an autoregressive draft model.
 
     Each round: expand the ``topk`` best frontier nodes by their ``topk`` children for ``depth`` steps (one
     draft forward per depth for the whole frontier, through a tree mask over scratch cache slots), score
@@ -470,207 +407,3 @@ class DynamicTreeDrafter(ModelDrafter):
         keep = self._committed + self.pending.numel()  # only the pending context was committed
         self.runner.length = keep
         self.pending = state.tokens[keep:state.length]
-
-
-class EagleChainDrafter(Drafter):
-    """An EAGLE-1 or EAGLE-3 drafter drafting a chain autoregressively with its own KV cache.
-
-    The cache holds one entry per committed position t: the drafter's pass over (x_{t+1}, features_t). Draft
-    steps feed the drafter's own output back (EAGLE-1: as the next feature; EAGLE-3: as the hidden input), and
-    their cache entries are dropped after the round: the verifier's true features replace them.
-
-    Draft steps score the drafter's own vocabulary (N columns, column i = target id ``draft_ids[i]``): EAGLE-3's
-    trained draft vocabulary, or for EAGLE-1 the verifier ``lm_head``'s rows at ``vocab`` (N,) target ids,
-    gathered once here (None: all V rows). Tokens are mapped to target ids; sampled drafts' p is scattered into
-    the full vocabulary (zero outside the N rows), so acceptance stays lossless.
-    """
-
-    name = "eagle"
-    wants_features = True
-
-    def __init__(self, drafter, verifier_model, k: int, vocab: torch.Tensor | None = None):
-        super().__init__(Tree.chain(k))
-        self.drafter, self.k = drafter, k
-        self.embed = drafter_embedding(verifier_model)
-        self.lm_head = verifier_model.get_output_embeddings()
-        self.vocab_size = drafter.config.vocab_size
-        vocab = check_draft_vocab(vocab, self.vocab_size)
-        if drafter.is_eagle3 and vocab is not None:
-            raise SpectrainError("an EAGLE-3 drafter drafts over the draft vocabulary it was trained with "
-                                 f"({drafter.config.draft_vocab_size} tokens): --draft_vocab is for Medusa, EAGLE-1 and DFlash")
-        device = self.lm_head.weight.device
-        if drafter.is_eagle3:
-            self.draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))
-            self._head = None
-        elif vocab is not None:
-            self.draft_ids = vocab.to(device)
-            bias = getattr(self.lm_head, "bias", None)
-            self._head = (self.lm_head.weight[self.draft_ids], None if bias is None else bias[self.draft_ids])
-        else:
-            self.draft_ids, self._head = None, None
-        from spectrain.heads.eagle import check_aux_layer_order  # the one layer-order rule (EagleConfig's)
-
-        aux = tuple(check_aux_layer_order(drafter.config.aux_layer_ids or (), "the EAGLE-3 drafter's aux_layer_ids"))
-        self.capture_layers = aux if drafter.is_eagle3 else ()
-        self.past = None
-
-    def start(self, state: DraftState, verifier) -> None:
-        self.past = None
-
-    def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        """(n, h) -> (n, N) fp32 logits over the drafter's own vocabulary (``draft_ids``; all V when None)."""
-        if self._head is None:
-            return self.drafter.logits(out, self.lm_head).float()
-        weight, bias = self._head
-        return torch.nn.functional.linear(out.to(weight.dtype), weight, bias).float()
-
-    def _target(self, ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary columns -> the verifier's token ids."""
-        return ids if self.draft_ids is None else self.draft_ids[ids]
-
-    def _full(self, p: torch.Tensor) -> torch.Tensor:
-        """(N,) draft probabilities -> (V,), zero outside the draft vocabulary."""
-        if self.draft_ids is None:
-            return p
-        return p.new_zeros(self.vocab_size).index_copy(0, self.draft_ids, p)
-
-    def _step(self, ids, features, hidden_input: bool):
-        past_len = 0 if self.past is None else self.past[0].shape[2]
-        positions = (past_len + torch.arange(ids.shape[0], device=ids.device))[None]
-        fn = self.drafter.forward_hidden if hidden_input else self.drafter.forward
-        out, (k, v) = fn(ids[None], features[None], self.embed, position_ids=positions, past_kv=self.past)
-        self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2), torch.cat([self.past[1], v], 2))
-        return out[0]
-
-    @torch.no_grad()
-    def propose(self, state: DraftState) -> Proposal:
-        out = self._step(state.new_tokens, state.new_features, hidden_input=False)
-        committed = self.past
-        tokens, probs = [], []
-        last = out[-1:]
-        for i in range(self.k):
-            logits = self._logits(last)[0]  # (N,)
-            if state.sampling.greedy:
-                token = self._target(logits.argmax())
-            else:
-                p = target_probs(logits, state.sampling)
-                token = self._target(sample(p[None], state.generator)[0])
-                probs.append(self._full(p))
-            tokens.append(token)
-            if i + 1 < self.k:
-                last = self._step(token[None], last, hidden_input=True)
-        self.past = committed  # drop the draft steps' entries
-        return Proposal(tokens=torch.stack(tokens), probs=torch.stack(probs) if probs else None)
-
-
-class EagleTreeDrafter(EagleChainDrafter):
-    """EAGLE drafting a tree: a static rank-path tree, or (``dynamic=(depth, topk, budget)``) an EAGLE-2 tree.
-
-    Each depth runs the drafter once on the whole frontier: every node reads its parent's output as hidden
-    input, sits at position ``base + depth - 1`` and attends to the committed cache plus its own ancestors
-    (scratch K/V appended after the cache and dropped after the round).
-    """
-
-    name = "eagle-tree"
-
-    def __init__(self, drafter, verifier_model, tree: Tree | None = None, dynamic: tuple[int, int, int] | None = None,
-                 vocab: torch.Tensor | None = None):
-        if (tree is None) == (dynamic is None):
-            raise SpectrainError("give either a static tree or dynamic=(depth, topk, budget)")
-        depth = tree.max_depth if tree is not None else dynamic[0]
-        super().__init__(drafter, verifier_model, depth, vocab=vocab)
-        self.static, self.dynamic = tree, dynamic
-        self.tree = tree if tree is not None else Tree.chain(min(dynamic[0], dynamic[2]))
-
-    @property
-    def max_nodes(self) -> int:
-        return self.static.size if self.static is not None else self.dynamic[2]
-
-    def _run_frontier(self, tokens, parent_out, depth: int, base: int, mask: torch.Tensor, scratch):
-        """One drafter pass over m frontier nodes at ``depth``: each sees the (m, past + m) ``mask`` row over the
-        committed cache, the scratch entries of earlier depths and this pass. Returns their outputs (m, h),
-        log-probs (m, N) over the draft vocabulary and the scratch K/V with theirs appended."""
-        k_all, v_all = scratch
-        positions = torch.full((1, tokens.shape[0]), base + depth - 1, device=tokens.device)
-        out, (k, v) = self.drafter.forward_hidden(tokens[None], parent_out[None], self.embed, position_ids=positions,
-                                                  attn_mask=mask[None, None], past_kv=(k_all, v_all))
-        scratch = (torch.cat([k_all, k], 2), torch.cat([v_all, v], 2))
-        return out[0], torch.log_softmax(self._logits(out[0]), -1), scratch
-
-    @staticmethod
-    def _slots_mask(ancestor_slots: list[list[int]], base: int, past: int, device) -> torch.Tensor:
-        """(m, past + m): the committed cache, each node's ancestors' scratch slots, and itself."""
-        m = len(ancestor_slots)
-        mask = torch.zeros(m, past + m, dtype=torch.bool, device=device)
-        mask[:, :base] = True
-        for j, slots in enumerate(ancestor_slots):
-            mask[j, slots] = True
-            mask[j, past + j] = True
-        return mask
-
-    @torch.no_grad()
-    def propose(self, state: DraftState) -> Proposal:
-        out = self._step(state.new_tokens, state.new_features, hidden_input=False)
-        committed = self.past
-        base = committed[0].shape[2]
-        root_logp = torch.log_softmax(self._logits(out[-1:]), -1)[0]
-        if self.static is not None:
-            tokens = self._static(root_logp, out[-1], base)
-            self.past = committed
-            return Proposal(tokens=tokens)
-        proposal = self._dynamic(root_logp, out[-1], base)
-        self.past = committed
-        return proposal
-
-    def _static(self, root_logp, root_out, base):
-        tree = self.static  # its tensors stay on the host: read there, never synced from the device
-        max_rank = int(tree.rank.max()) + 1
-        tokens = torch.zeros(tree.size, dtype=torch.long, device=root_logp.device)
-        slot = {}
-        parent_top = {-1: self._target(root_logp.topk(max_rank).indices)}
-        parent_out = {-1: root_out}
-        scratch = self.past
-        for depth in range(1, tree.max_depth + 1):
-            nodes = [i for i, p in enumerate(self.static.paths) if len(p) == depth]
-            for i in nodes:
-                tokens[i] = parent_top[int(self.static_parent(i))][self.static.paths[i][-1]]
-            expand = [i for i in nodes if any(len(q) == depth + 1 and q[:-1] == self.static.paths[i] for q in self.static.paths)]
-            if not expand:
-                break
-            anc = [[slot[a] for a in self._ancestors(i) if a in slot] for i in expand]
-            start = scratch[0].shape[2]
-            out, logp, scratch = self._run_frontier(
-                tokens[expand], torch.stack([parent_out[int(self.static_parent(i))] for i in expand]), depth, base,
-                self._slots_mask(anc, base, start, tokens.device), scratch)
-            for j, i in enumerate(expand):
-                slot[i] = start + j
-                parent_out[i] = out[j]
-                parent_top[i] = self._target(logp[j].topk(max_rank).indices)
-        return tokens
-
-    def static_parent(self, i: int) -> int:
-        return int(self.static.parent[i])
-
-    def _ancestors(self, i: int) -> list[int]:
-        out = []
-        while i >= 0:
-            i = self.static_parent(i)
-            if i >= 0:
-                out.append(i)
-        return out
-
-    def _dynamic(self, root_logp, root_out, base) -> Proposal:
-        """EAGLE-2 (:func:`grow_dynamic_tree`): each pass feeds a frontier node its parent's output as hidden
-        input; scratch K/V of earlier passes are appended after the committed cache."""
-        depth_cap, topk, budget = self.dynamic
-        own = torch.eye(topk, dtype=torch.bool, device=root_out.device)
-        committed = torch.ones(topk, base, dtype=torch.bool, device=root_out.device)
-        run = {"out": root_out.expand(topk, -1), "scratch": self.past}
-
-        def expand(depth, tokens, parents, ancestors):
-            parent_out = run["out"] if parents is None else run["out"][parents]
-            mask = torch.cat([committed, ancestors, own], 1)
-            run["out"], logp, run["scratch"] = self._run_frontier(tokens, parent_out, depth, base, mask, run["scratch"])
-            return logp
-
-        return grow_dynamic_tree(root_logp, depth_cap, topk, budget, expand, vocab=self.draft_ids)

@@ -4,8 +4,9 @@ For every ``--drafter NAME=PATH`` (a ``train_medusa`` / ``train_eagle`` run or a
 real speculative loop of :mod:`.decode` on the verifier:
 
 * MT-bench first turns (stratified over its 8 categories when fewer than 80 are asked for), T = 0: a chain of
-  ``--k`` drafts and the best tree of ``<= --tree_nodes`` draft nodes (Medusa: the tree built from the head's
-  rank accuracies measured on the verifier's own outputs; EAGLE: an EAGLE-2 dynamic tree with that budget);
+  ``--k`` drafts and the best tree of ``<= --tree_nodes`` draft nodes (a family that calibrates rank trees: the tree
+  built from the heads' rank accuracies measured on the verifier's own outputs; one that grows dynamic trees: a
+  dynamic tree with that budget);
 * the same chain at T = ``--sampled_temperature`` for the drafters named by ``--sampled`` (rejection sampling);
 * the chain at T = 0 on Alpaca-80 and on GSM8K questions used as prompts;
 
@@ -35,7 +36,7 @@ import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.io import read_json, sha256_files, write_json
-from spectrain.heads.families import family_of
+from spectrain.heads.families import families, family_of
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
 
@@ -48,13 +49,11 @@ from .static_model import default_batch_invariant
 
 PROMPT_SETS = ("mt_bench", "alpaca", "gsm8k")
 
-# Published figures for the side-by-side; their setting differs from ours and the table says how.
-PUBLISHED = [
-    {"method": "Medusa-1", "tau": 2.3, "verifier": "Vicuna-7B", "bench": "Spec-Bench", "drafting": "~60-node static tree"},
-    {"method": "EAGLE-2", "tau": 4.8, "verifier": "Vicuna-13B", "bench": "MT-bench", "drafting": "~60-node dynamic tree"},
-    {"method": "EAGLE-3", "tau": 6.6, "verifier": "Vicuna-13B", "bench": "MT-bench", "drafting": "~60-node dynamic tree"},
-    {"method": "EAGLE-3", "tau": 6.1, "verifier": "Llama-3.1-8B", "bench": "MT-bench", "drafting": "~60-node dynamic tree"},
-]
+
+def published() -> list[dict]:
+    """Figures the registered families' papers report, for the side-by-side (their setting differs from ours and
+    the table says how)."""
+    return [dict(row) for family in families() for row in evaluator_of(family).published]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,8 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=5, help="chain length")
     p.add_argument("--tree_nodes", type=int, default=64, help="draft-node budget of the tree rows (0 skips them)")
-    p.add_argument("--tree_depth", type=int, default=6, help="EAGLE dynamic tree: depth")
-    p.add_argument("--tree_topk", type=int, default=8, help="EAGLE dynamic tree: children expanded per node")
+    p.add_argument("--tree_depth", type=int, default=6, help="dynamic trees: depth")
+    p.add_argument("--tree_topk", type=int, default=8, help="dynamic trees: children expanded per node")
     p.add_argument("--sampled_temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -264,11 +263,11 @@ def row_options(ctx: Context, row: dict, path: str) -> tuple[dict, dict]:
     else:
         reserve = args.k if hybrid else 0  # the lookup branch's nodes, within the same budget
         options.update(k=0, lookup=reserve)
-        if evaluator.dynamic_trees:  # EAGLE: an EAGLE-2 dynamic tree with the node budget
+        if evaluator.dynamic_trees:  # a dynamic tree with the node budget
             options["dynamic_tree"] = (args.tree_depth, args.tree_topk, args.tree_nodes)
             definition = {"tree": "EAGLE-2 dynamic", "nodes": args.tree_nodes, "depth": args.tree_depth,
                           "topk": args.tree_topk}
-        else:  # Medusa: the most likely rank paths from the heads' rank accuracies on this set
+        else:  # rank trees: the most likely rank paths from the heads' rank accuracies on this set
             options["tree"] = f"auto:{args.tree_nodes - reserve}"
             definition = {"tree": "static, from rank accuracies on the verifier's greedy outputs of this set",
                           "nodes": args.tree_nodes}
@@ -438,7 +437,7 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
                "rows": done,
                "greedy": {k: {x: reference(k)[x] for x in ("tokens_per_second", "new_tokens", "seconds", "outputs")}
                           for k in sets},
-               "published": PUBLISHED, "seconds_this_run": round(time.time() - t0, 1)}
+               "published": published(), "seconds_this_run": round(time.time() - t0, 1)}
     return finish(summary, out / "results.json", tables=tables(summary))
 
 

@@ -216,7 +216,7 @@ class StaticCausalLM:
         self._compiled = None
         self._padding: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.length = 0
-        # HF hidden_states indices to keep from each forward in ``aux`` (n, len * H), for EAGLE-3 drafters.
+        # HF hidden_states indices to keep from each forward in ``aux`` (n, len * H), for drafters that fuse layers.
         self.capture: tuple[int, ...] = ()
         self.aux: torch.Tensor | None = None
 
@@ -295,7 +295,7 @@ class StaticCausalLM:
         elif positions is slots:  # Dynamo guards on aliasing: one tensor as both would be a graph of its own
             positions = slots.clone()
         out, aux = self._compiled(input_ids, positions, mask, slots)
-        # Clone: a CUDA graph's outputs are overwritten by its next replay (EAGLE-3 reads aux after it).
+        # Clone: a CUDA graph's outputs are overwritten by its next replay (a fusing drafter reads aux after it).
         self.aux = None if aux is None else aux[:n].clone()
         return out[:n].clone()
 

@@ -1,6 +1,6 @@
 """Candidate structures: chains and static sparse trees, plus the tree builder.
 
-A tree is given Medusa-style as a list of paths over top-k ranks: ``(0,)`` is
+A tree is given as a list of paths over top-k ranks: ``(0,)`` is
 head 1's top token, ``(0, 1)`` head 2's second token after it, and so on. A
 chain of k drafts is ``[(0,), (0, 0), ..., (0,)*k]``. Node i of the verify input
 (after the root, i.e. the last emitted token) is ``paths[i]`` in sorted order.
@@ -105,7 +105,7 @@ class Tree:
 
 @dataclass(frozen=True)
 class DeviceTree:
-    """A tree built on the device every round (EAGLE-2 dynamic trees): :class:`Tree`'s tensors, with its size and
+    """A tree built on the device every round (dynamic trees): :class:`Tree`'s tensors, with its size and
     a depth bound as host ints fixed by the drafter's settings, so neither building nor verifying it reads the
     device. Nodes are in depth order (parents precede children); a node's ``rank`` is its place among its
     parent's candidates, and ``children`` rows may have gaps (-1) where a candidate was not kept.
@@ -157,7 +157,7 @@ def expected_accept_length(paths, accuracy) -> float:
     """Expected number of accepted drafts: sum over nodes of the product of per-depth rank accuracies.
 
     ``accuracy[d][r]``: probability that the rank-r candidate at depth d+1 is the verifier's token, given
-    the path to it was accepted (measured top-k accuracies per head, as in the Medusa paper).
+    the path to it was accepted (measured top-k accuracies per head).
     """
     total = 0.0
     for p in paths:

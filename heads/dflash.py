@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compatibility import check_compatible
 from .errors import SpectrainError
 from .families import DrafterFamily, ServingFormat, register_family
 from .io import checked_state, read_drafter_config, save_drafter_dir
 from .layers import RMSNorm, SwiGLU, apply_rotary, rotary_cos_sin
-from .medusa import check_compatible
 from .verifier import drafter_shape, max_context, verifier_rope
 
 FORMAT_VERSION = 1
@@ -516,4 +516,6 @@ DFLASH_FORMATS = tuple(
 register_family(DrafterFamily(
     name="dflash", methods=METHODS, drafter_class=DFlashDrafter, config_class=DFlashConfig, label="DFlash",
     formats=DFLASH_FORMATS, train_module="spectrain.train.dflash:DFlashModule",
-    evaluator="spectrain.eval.dflash:DFLASH"))
+    evaluator="spectrain.eval.dflash:DFLASH",
+    verifier_depth_key="verifier_layers",  # its own num_hidden_layers is the drafter's depth
+    gguf="spectrain.heads.dflash_gguf:DFLASH_GGUF", without_confidence_head=without_confidence_head))

@@ -24,8 +24,10 @@ import torch
 
 from .dflash import DFlashDrafter
 from .errors import SpectrainError
-from .llama_cpp import (DRAFT_GGUF_DTYPES, GGUFValue, _check_dtype, _encode, _gguf, decoder_keys, gguf_tensors,
-                        read_metadata, target_shape, tokenizer_metadata, write_draft_keys, write_gguf)
+from .families import GgufExport
+from .llama_cpp import (DRAFT_GGUF_DTYPES, GGUFValue, _check_dtype, _encode, _gguf, decoder_keys, draft_metadata,
+                        gguf_tensors, read_metadata, shape_problems, target_shape, tokenizer_metadata,
+                        tokenizer_problems, write_draft_keys, write_gguf)
 
 ARCH = "dflash"
 # Target architectures whose llama.cpp graph exposes each layer's input (t_layer_inp), which draft-dflash
@@ -125,11 +127,7 @@ def expected_dflash_tensors(meta: dict[str, GGUFValue]) -> dict[str, tuple[int, 
 
 def validate_dflash_gguf(path: str | Path, target_gguf: str | Path | None = None) -> dict[str, tuple[int, ...]]:
     """Check a dflash GGUF the way llama.cpp's loader and draft-dflash read it; raise naming every problem."""
-    meta = read_metadata(path)
-    arch = meta.get("general.architecture")
-    if arch is None or arch.value != ARCH:
-        raise SpectrainError(f"{path} is not a dflash GGUF (general.architecture "
-                             f"{None if arch is None else arch.value!r})")
+    meta = draft_metadata(path, ARCH)
     expected = expected_dflash_tensors(meta)
     found = gguf_tensors(path)
     if "tokenizer.ggml.tokens" not in meta:  # llama.cpp takes the vocabulary's size from it (no dflash.vocab_size)
@@ -142,12 +140,7 @@ def validate_dflash_gguf(path: str | Path, target_gguf: str | Path | None = None
         expected.update({"markov_w1.weight": (vocab, rank), "markov_w2.weight": (vocab, rank)})
         if f"{ARCH}.has_confidence_head" in meta and meta[f"{ARCH}.has_confidence_head"].value:
             expected.update({"conf_proj.weight": (1, h + rank), "conf_proj.bias": (1,)})
-    problems = []
-    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    wrong = [f"{k} {found[k][0]} (expected {expected[k]})" for k in sorted(set(expected) & set(found))
-             if found[k][0] != expected[k]]
-    problems += ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else []) + (
-        [f"wrong shapes {wrong}"] if wrong else [])
+    problems = shape_problems(expected, found)
     if "tokenizer.ggml.mask_token_id" not in meta:
         problems.append("no tokenizer.ggml.mask_token_id (the token that fills the block's draft slots)")
     elif not 0 <= meta["tokenizer.ggml.mask_token_id"].value < vocab:
@@ -162,12 +155,7 @@ def validate_dflash_gguf(path: str | Path, target_gguf: str | Path | None = None
         if h != target["hidden_size"] or (target["vocab_size"] is not None and vocab != target["vocab_size"]):
             problems.append(f"the draft is {h} wide over {vocab} tokens; the target {target['hidden_size']} over "
                             f"{target['vocab_size']}")
-        mask = "tokenizer.ggml.mask_token_id"
-        theirs = {k: v for k, v in tokenizer_metadata(target_gguf).items() if k != mask}
-        ours = {k: v.value for k, v in meta.items() if k.startswith("tokenizer.") and k != mask}
-        differ = sorted(k for k in set(theirs) | set(ours) if ours.get(k) != (theirs[k].value if k in theirs else None))
-        if differ:
-            problems.append(f"tokenizer keys differ from the target's: {differ}")
+        problems += tokenizer_problems(meta, target_gguf, skip=("tokenizer.ggml.mask_token_id",))
     if problems:
         raise SpectrainError(f"{path} is not a valid dflash GGUF: " + "; ".join(problems))
     return expected
@@ -218,3 +206,16 @@ def write_dflash_gguf(drafter: DFlashDrafter, out_path: str | Path, target_gguf:
             writer.add_tensor(tname, data, raw_dtype=raw)
 
     return write_gguf(out_path, ARCH, fill, lambda tmp: validate_dflash_gguf(tmp, target_gguf), force=True)
+
+
+def _write_for_export(drafter: DFlashDrafter, out, target, dtype: str, force: bool, verifier_name: str) -> str:
+    """``spectrain-export --format gguf``: the file, and the llama-server flags that serve it."""
+    c = drafter.config
+    write_dflash_gguf(drafter, out, target, dtype=dtype, force=force,
+                      name=verifier_name and f"spectrain {c.method} for {verifier_name}" or "")
+    # the block is bidirectional: served with fewer slots than trained, every slot's state would differ
+    return f"--spec-type draft-{c.method} --spec-draft-n-max {c.drafts} --spec-draft-p-min 0"
+
+
+DFLASH_GGUF = GgufExport(check_target=check_dflash_target, write=_write_for_export, drafters=("DFlash", "DSpark"),
+                         spec_types=("draft-dflash", "draft-dspark"), check_exportable=check_dflash_exportable)

@@ -32,12 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .compatibility import check_compatible
 from .errors import SpectrainError
 from .families import DrafterFamily, register_family
 from .io import checked_state, read_drafter_config, save_drafter_dir
 from .layers import (Attention, RMSNorm, SwiGLU, apply_rotary, causal_mask,  # noqa: F401  (re-exported)
                      rotary_cos_sin)
-from .medusa import check_compatible
+from .layers import spread_layers as default_aux_layers  # EAGLE-3's fused layers: the spread rule
 from .verifier import drafter_shape, max_context, verifier_rope
 from .vocab import build_vocab_map, check_vocab_map, most_frequent  # noqa: F401  (re-exported)
 
@@ -50,26 +51,6 @@ EmbedLike = nn.Module | Callable[[torch.Tensor], torch.Tensor] | torch.Tensor
 
 
 # -- configuration ------------------------------------------------------------------------------------------
-def default_aux_layers(num_layers: int) -> list[int]:
-    """HF ``hidden_states`` indices that EAGLE-3 fuses: low, middle and high layers of the verifier.
-
-    ``hidden_states[i]`` is the input of decoder layer i (index 0, the embeddings, is never used), which
-    is what EAGLE-3 captures, so for N >= 7 layers this is EAGLE-3's ``[2, N//2, N-3]``. Smaller
-    verifiers get min(3, N - 1) distinct ids spread evenly over [1, N - 1] (N=6 -> [1, 3, 5], N=3 -> [1, 2]):
-    ``hidden_states[N]`` is taken after the final norm, which serving engines do not capture, so an exportable
-    default never fuses it (a 1- or 2-layer verifier gets [1]: a 1-layer one has nothing else). The drafter's ``fc``
-    then takes ``len(ids) * hidden`` inputs instead of 3h.
-    """
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise SpectrainError(f"the verifier must have at least one layer, got {num_layers!r}")
-    if num_layers >= 7:
-        return [2, num_layers // 2, num_layers - 3]
-    count = min(3, num_layers - 1)
-    if count <= 1:
-        return [1]
-    return sorted({1 + (k * (num_layers - 2)) // (count - 1) for k in range(count)})
-
-
 def check_aux_layer_order(ids, where: str = "EAGLE-3 aux_layer_ids") -> list[int]:
     """Raise unless ``ids`` are strictly ascending (sorted, no layer twice); returns them as a list.
 
@@ -620,5 +601,5 @@ def _check_verifier(config: EagleConfig, verifier_model, where: str) -> None:
 
 register_family(DrafterFamily(
     name="eagle", methods=VARIANTS, drafter_class=EagleDrafter, config_class=EagleConfig, label="EAGLE",
-    formats="spectrain.heads.formats:EAGLE_FORMATS", train_module="spectrain.train.eagle:EagleModule",
-    evaluator="spectrain.eval.families:EAGLE"))
+    formats="spectrain.heads.eagle_formats:EAGLE_FORMATS", train_module="spectrain.train.eagle:EagleModule",
+    evaluator="spectrain.eval.eagle:EAGLE", gguf="spectrain.heads.eagle_formats:EAGLE_GGUF"))

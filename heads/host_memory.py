@@ -2,7 +2,7 @@
 
 glibc serves allocations above 32 MiB (the vocabulary-sized logits of a loss, a verifier's activations) with
 ``mmap`` and returns them to the OS on free, so every training step re-faults its large buffers page by page:
-measured on an EAGLE-3 step at SmolLM2 shapes, ~210K minor faults and 0.4-1.2 s of system time per 1.1-1.9 s step.
+measured on a fused-layer drafter's step at SmolLM2 shapes, ~210K minor faults and 0.4-1.2 s of system time per 1.1-1.9 s step.
 With ``mmap`` disabled for allocations and trimming off, freed chunks are reused by the next step (the process
 keeps its peak memory, as a GPU caching allocator does). jemalloc / tcmalloc preloaded achieve the same.
 """

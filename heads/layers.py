@@ -1,6 +1,6 @@
 """Llama building blocks shared by drafter families: RMSNorm, RoPE, attention, SwiGLU, causal masks.
 
-Nothing here knows about a drafter family; EAGLE's layer (:mod:`spectrain.heads.eagle`) is built from these,
+Nothing here knows about a drafter family; a family's decoder layer is built from these,
 and a new family's module imports them rather than copying them. Submodule names follow HF Llama's
 (``q_proj`` .. ``o_proj``, ``gate_proj`` / ``up_proj`` / ``down_proj``, ``weight``), so state-dict keys match
 the serving engines' layouts.
@@ -11,6 +11,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .errors import SpectrainError
+
+
+def spread_layers(num_layers: int) -> list[int]:
+    """HF ``hidden_states`` indices of low, middle and high layers of a verifier: the layers a drafter that fuses
+    several and a feature store capture by default.
+
+    ``hidden_states[i]`` is the input of decoder layer i (index 0, the embeddings, is never used), so for N >= 7
+    layers this is ``[2, N//2, N-3]`` (the choice of the paper that introduced fusing them). Smaller verifiers get min(3, N - 1) distinct
+    ids spread evenly over [1, N - 1] (N=6 -> [1, 3, 5], N=3 -> [1, 2]): ``hidden_states[N]`` is taken after the
+    final norm, which serving engines do not capture, so an exportable default never fuses it (a 1- or 2-layer
+    verifier gets [1]: a 1-layer one has nothing else). A fusing drafter's ``fc`` then takes ``len(ids) * hidden``
+    inputs instead of 3h.
+    """
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise SpectrainError(f"the verifier must have at least one layer, got {num_layers!r}")
+    if num_layers >= 7:
+        return [2, num_layers // 2, num_layers - 3]
+    count = min(3, num_layers - 1)
+    if count <= 1:
+        return [1]
+    return sorted({1 + (k * (num_layers - 2)) // (count - 1) for k in range(count)})
 
 
 class RMSNorm(nn.Module):
@@ -60,7 +83,7 @@ def causal_mask(T: int, S: int, device=None) -> torch.Tensor:
 class Attention(nn.Module):
     """Llama attention (no biases, GQA, RoPE on q and k) over this call's keys plus optional cached ones.
 
-    ``in_width`` is the width of the input x (a drafter may feed more than ``hidden_size``, e.g. EAGLE-3's 2h);
+    ``in_width`` is the width of the input x (a drafter may feed more than ``hidden_size``, e.g. 2h for a fused-layer drafter);
     the output is ``hidden_size`` wide.
     """
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .compatibility import check_compatible  # noqa: F401  (re-exported: its old home)
 from .errors import SpectrainError
 from .families import DrafterFamily, register_family
 from .io import checked_state, read_drafter_config, save_drafter_dir
@@ -144,18 +145,8 @@ class MedusaHeads(nn.Module):
         return heads.to(device)
 
 
-def check_compatible(hidden_size: int, vocab_size: int, verifier_model, where: str) -> None:
-    """Raise if a drafter with these sizes cannot run on ``verifier_model``."""
-    weight = verifier_model.get_output_embeddings().weight
-    if weight.shape[1] != hidden_size:
-        raise SpectrainError(f"drafter {where} was trained for hidden size {hidden_size}, but the verifier's is "
-                             f"{weight.shape[1]}: it belongs to another verifier")
-    if weight.shape[0] != vocab_size:
-        raise SpectrainError(f"drafter {where} was trained for a vocabulary of {vocab_size}, but the verifier's is "
-                             f"{weight.shape[0]}: it belongs to another verifier")
-
-
 register_family(DrafterFamily(
     name="medusa", methods=("medusa",), drafter_class=MedusaHeads, config_class=MedusaConfig, label="Medusa",
-    formats="spectrain.heads.formats:MEDUSA_FORMATS", train_module="spectrain.train.medusa:MedusaModule",
-    evaluator="spectrain.eval.families:MEDUSA"))
+    verifier_depth_key=None,  # Medusa heads do not record the verifier's depth
+    formats="spectrain.heads.medusa_formats:MEDUSA_FORMATS", train_module="spectrain.train.medusa:MedusaModule",
+    evaluator="spectrain.eval.medusa:MEDUSA"))

@@ -1,12 +1,12 @@
 """Frequency-ranked vocabularies: which verifier tokens a drafter drafts over.
 
 A drafter's vocabulary projection is most of a draft step's cost on a small verifier (SmolLM2: the 49,152 x 576
-``lm_head`` is ~87% of an EAGLE-1 step). Restricting the *draft* head to the N most frequent tokens of the
-training data (FR-Spec; EAGLE-3's draft vocabulary; SGLang's ``--speculative-token-map``) cuts that cost while
+``lm_head`` is ~87% of a one-layer drafter's step). Restricting the *draft* head to the N most frequent tokens of the
+training data (FR-Spec; a fixed draft vocabulary; SGLang's ``--speculative-token-map``) cuts that cost while
 the verifier still verifies over the full vocabulary, so decoding stays lossless: the drafter's p is zero
 outside its rows, and the acceptance rule only ever proposes tokens it has.
 
-One rule picks the rows everywhere (training vocabulary, EAGLE-3 draft vocabulary, ranked draft heads):
+One rule picks the rows everywhere (training vocabulary, fixed draft vocabulary, ranked draft heads):
 :func:`most_frequent` (ties: the lower id). A drafter keeps the counts it was trained on in
 ``vocab_ranking.json`` beside its weights (:func:`save_ranking` / :func:`load_ranking`), so any N can be chosen
 at evaluation time; its default N is the vocabulary it trained over.
@@ -44,7 +44,7 @@ def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[
     counts = torch.as_tensor(token_counts).flatten()
     vocab = counts.numel()
     if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or draft_vocab_size < 1:
-        raise SpectrainError(f"EAGLE draft_vocab_size must be an integer >= 1, got {draft_vocab_size!r}")
+        raise SpectrainError(f"draft_vocab_size must be an integer >= 1, got {draft_vocab_size!r}")
     if draft_vocab_size > vocab:
         raise SpectrainError(f"draft_vocab_size {draft_vocab_size} exceeds the {vocab} token counts given")
     chosen = most_frequent(counts, draft_vocab_size)

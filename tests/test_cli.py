@@ -71,7 +71,7 @@ def measured_by_decoding(run_dir: Path, data_path: Path, num_prompts: int, new_t
 
     from spectrain.data.datamodule import DrafterDataModule
     from spectrain.eval.decode import generate
-    from spectrain.eval.drafters import MedusaDrafter
+    from spectrain.eval.medusa import MedusaDrafter
     from spectrain.eval.static_model import StaticCausalLM
     from spectrain.eval.tree import Tree
     from spectrain.train.measure import measure_prompts_from

@@ -11,8 +11,8 @@ import torch
 from spectrain.eval import accept as accept_mod
 from spectrain.eval.accept import Sampling, accept
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import (Autoregressive, DynamicTreeDrafter, MedusaDrafter, ModelDrafter, NgramDrafter,
-                                    truncated_verifier)
+from spectrain.eval.drafters import Autoregressive, DynamicTreeDrafter, ModelDrafter, NgramDrafter, truncated_verifier
+from spectrain.eval.medusa import MedusaDrafter
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from tests.eval_helpers import bigram_verifier, noised_copy, oracle_medusa
@@ -333,7 +333,7 @@ def test_malformed_tree_specs():
 
 @pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
 def test_greedy_eagle_chain_equals_ar(verifier, variant):
-    from spectrain.eval.drafters import EagleChainDrafter
+    from spectrain.eval.eagle import EagleChainDrafter
     from spectrain.heads.eagle import EagleDrafter
 
     model, _ = verifier
@@ -351,7 +351,7 @@ def test_greedy_eagle_chain_equals_ar(verifier, variant):
 @pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("shape", ["static", "dynamic"])
 def test_greedy_eagle_trees_equal_ar(verifier, variant, shape):
-    from spectrain.eval.drafters import EagleTreeDrafter
+    from spectrain.eval.eagle import EagleTreeDrafter
     from spectrain.heads.eagle import EagleDrafter
 
     from tests.eval_helpers import oracle_eagle1
@@ -369,7 +369,7 @@ def test_greedy_eagle_trees_equal_ar(verifier, variant, shape):
 
 def test_eagle_tree_machinery_matches_the_chain(verifier):
     """A chain-shaped static tree must draft exactly what the chain drafter drafts (same masks and positions)."""
-    from spectrain.eval.drafters import EagleChainDrafter, EagleTreeDrafter
+    from spectrain.eval.eagle import EagleChainDrafter, EagleTreeDrafter
 
     from tests.eval_helpers import oracle_eagle1
 

@@ -148,17 +148,12 @@ def _batches(n: int, vocab: int, seed: int) -> list[dict]:
     return [{"input_ids": row, "attention_mask": torch.ones_like(row), "loss_mask": torch.ones_like(row)} for row in ids]
 
 
-def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigram_family, verifier_factory, tmp_path):
-    from spectrain.eval.cli import parse_args
-    from spectrain.eval.evaluate import evaluate_drafter, load_drafter
-    from spectrain.heads.formats import FORMATS, check_format_for, detect_format, export_drafter, import_drafter
-    from spectrain.heads.verifier import load_verifier
-
-    verifier_dir = str(verifier_factory("llama", False))
-    # train: Lightning, a few steps; measured tau at validation decodes through the family's evaluator
+def train_a_few_steps(module_class, verifier_dir: str, measure_k: int) -> DrafterModule:
+    """``module_class`` trained 3 Lightning steps on random rows (validation measures tau with chains of
+    ``measure_k``); asserts that the steps ran and its loss fell."""
     torch.manual_seed(0)
-    module = BigramModule(verifier=verifier_dir, verifier_dtype="float32", lr=2e-2, warmup_steps=0,
-                          measure_prompts=2, measure_k=3, measure_new_tokens=6)
+    module = module_class(verifier=verifier_dir, verifier_dtype="float32", lr=2e-2, warmup_steps=0,
+                          measure_prompts=2, measure_k=measure_k, measure_new_tokens=6)
     vocab = module.verifier_lm_head.weight.shape[0]
     train = torch.utils.data.DataLoader(_batches(4, vocab, seed=1) * 3, batch_size=4)
     val = torch.utils.data.DataLoader(_batches(4, vocab, seed=2), batch_size=4)
@@ -168,9 +163,22 @@ def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigr
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
-    assert trainer.global_step == 3 and module.family is BIGRAM
+    assert trainer.global_step == 3
     with torch.no_grad():
         assert float(module.drafter_loss(probe, module.features(probe))[0]) < before  # it trained
+    return module
+
+
+def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigram_family, verifier_factory, tmp_path):
+    from spectrain.eval.cli import parse_args
+    from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+    from spectrain.heads.formats import FORMATS, check_format_for, detect_format, export_drafter, import_drafter
+    from spectrain.heads.verifier import load_verifier
+
+    verifier_dir = str(verifier_factory("llama", False))
+    # train: Lightning, a few steps; measured tau at validation decodes through the family's evaluator
+    module = train_a_few_steps(BigramModule, verifier_dir, measure_k=3)
+    assert module.family is BIGRAM
     metrics = module.last_val_metrics
     assert set(metrics) >= {"tau_measured", "alpha1_measured", "tau_pred"}
     run = module.export(tmp_path / "run", module.plain_drafter())

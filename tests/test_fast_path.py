@@ -10,7 +10,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from spectrain.eval.accept import Sampling
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import Autoregressive, EagleChainDrafter, EagleTreeDrafter, MedusaDrafter, NgramDrafter
+from spectrain.eval.drafters import Autoregressive, NgramDrafter
+from spectrain.eval.eagle import EagleChainDrafter, EagleTreeDrafter
+from spectrain.eval.medusa import MedusaDrafter
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.eagle import EagleDrafter

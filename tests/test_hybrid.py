@@ -9,8 +9,9 @@ import torch
 
 from spectrain.eval.accept import Sampling
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import (EagleChainDrafter, EagleTreeDrafter, HybridDrafter, MedusaDrafter, NgramDrafter,
-                                    merge_branch, prompt_lookup)
+from spectrain.eval.drafters import HybridDrafter, NgramDrafter, merge_branch, prompt_lookup
+from spectrain.eval.eagle import EagleChainDrafter, EagleTreeDrafter
+from spectrain.eval.medusa import MedusaDrafter
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.errors import SpectrainError

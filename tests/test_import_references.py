@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from spectrain.eval.accept import Sampling
-from spectrain.eval.drafters import DraftState, EagleChainDrafter
+from spectrain.eval.drafters import DraftState
+from spectrain.eval.eagle import EagleChainDrafter
 from spectrain.eval.evaluate import load_drafter
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError

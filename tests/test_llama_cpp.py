@@ -1,5 +1,6 @@
-"""GGUF drafters for llama.cpp (heads/llama_cpp.py, spectrain-export --format gguf, spectrain-verifier-gguf) and the
-verdicts of the llama.cpp benchmarks (benchmarks/llama_cpp_check.py, llama_cpp_speed.py)."""
+"""GGUF drafters for llama.cpp (heads/llama_cpp.py, heads/eagle_gguf.py, spectrain-export --format gguf,
+spectrain-verifier-gguf) and the verdicts of the llama.cpp benchmarks (benchmarks/llama_cpp_check.py,
+llama_cpp_speed.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from spectrain.heads import llama_cpp  # noqa: E402
+from spectrain.heads import eagle_gguf, llama_cpp  # noqa: E402
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map  # noqa: E402
 from spectrain.heads.errors import SpectrainError  # noqa: E402
 from spectrain.heads.export_cli import main as export_main  # noqa: E402
@@ -76,7 +77,7 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 def test_gguf_holds_every_weight_under_llama_cpps_names(tmp_path, verifier):
     drafter = eagle3(verifier)
     target = tiny_target_gguf(tmp_path / "target.gguf")
-    path = llama_cpp.write_eagle3_gguf(drafter, tmp_path / "draft.gguf", target)
+    path = eagle_gguf.write_eagle3_gguf(drafter, tmp_path / "draft.gguf", target)
     t = llama_cpp.gguf_tensors(path)
     s = drafter.state_dict()
     c = drafter.config
@@ -134,7 +135,8 @@ def test_permuted_rows_give_llama_cpps_pairwise_rope_the_same_scores(verifier):
 @pytest.mark.parametrize("dtype,kind", [("float16", "F16"), ("bfloat16", "BF16"), ("q8_0", "Q8_0")])
 def test_half_precision_matrices_and_f32_norms(tmp_path, verifier, dtype, kind):
     drafter = eagle3(verifier)
-    path = llama_cpp.write_eagle3_gguf(drafter, tmp_path / "d.gguf", tiny_target_gguf(tmp_path / "t.gguf"), dtype=dtype)
+    path = eagle_gguf.write_eagle3_gguf(drafter, tmp_path / "d.gguf", tiny_target_gguf(tmp_path / "t.gguf"),
+                                        dtype=dtype)
     t = llama_cpp.gguf_tensors(path)
     assert t["fc.weight"][1] == kind and t["blk.0.attn_norm.weight"][1] == "F32" and t["d2t"][1] == "I64"
     assert llama_cpp.read_metadata(path)["general.file_type"].value == {"float16": 1, "bfloat16": 32, "q8_0": 7}[dtype]
@@ -156,45 +158,47 @@ def test_what_llama_cpp_cannot_serve_is_refused_with_the_reason(tmp_path, verifi
     target = tiny_target_gguf(tmp_path / "t.gguf")
     cases = [
         (EagleDrafter.for_verifier(verifier, "eagle1"), "EAGLE-1 drafter; llama.cpp serves EAGLE-3 drafts only"),
-        (MedusaHeads.for_verifier(verifier, num_heads=2), "no loader for Medusa or EAGLE-1"),
+        (MedusaHeads.for_verifier(verifier, num_heads=2),
+         "writes EAGLE-3, DFlash and DSpark drafters for llama.cpp; this drafter is medusa: llama.cpp has no loader "
+         "for Medusa drafts"),
         (eagle3(verifier, aux=[1, 3]), "fuses 2 verifier layers [1, 3]; llama.cpp's eagle3 loader requires exactly 3"),
         (eagle3(verifier, norm_output=True), "norm_output on"),
     ]
     for drafter, message in cases:
         with pytest.raises(SpectrainError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            llama_cpp.write_eagle3_gguf(drafter, tmp_path / "no.gguf", target)
+            eagle_gguf.write_eagle3_gguf(drafter, tmp_path / "no.gguf", target)
         assert not (tmp_path / "no.gguf").exists()
     with pytest.raises(SpectrainError, match="dtype must be one of"):
-        llama_cpp.write_eagle3_gguf(eagle3(verifier), tmp_path / "no.gguf", target, dtype="q4_0")
+        eagle_gguf.write_eagle3_gguf(eagle3(verifier), tmp_path / "no.gguf", target, dtype="q4_0")
 
 
 def test_target_and_file_checks_name_the_problem(tmp_path, verifier, monkeypatch):
     drafter = eagle3(verifier)
     deeper = tiny_target_gguf(tmp_path / "deep.gguf", layers=LAYERS + 2)
     with pytest.raises(SpectrainError, match=f"6-layer verifier, the target has {LAYERS + 2}"):
-        llama_cpp.write_eagle3_gguf(drafter, tmp_path / "d.gguf", deeper)
+        eagle_gguf.write_eagle3_gguf(drafter, tmp_path / "d.gguf", deeper)
     with pytest.raises(SpectrainError, match="no tokenizer"):
         no_tok = tmp_path / "notok.gguf"
         w = gguf.GGUFWriter(str(no_tok), "llama")
         w.add_block_count(LAYERS)
         w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
-        llama_cpp.write_eagle3_gguf(drafter, tmp_path / "d.gguf", no_tok)
-    good = llama_cpp.write_eagle3_gguf(drafter, tmp_path / "d.gguf", tiny_target_gguf(tmp_path / "t.gguf"))
+        eagle_gguf.write_eagle3_gguf(drafter, tmp_path / "d.gguf", no_tok)
+    good = eagle_gguf.write_eagle3_gguf(drafter, tmp_path / "d.gguf", tiny_target_gguf(tmp_path / "t.gguf"))
     other = tiny_target_gguf(tmp_path / "other.gguf", salt="x")  # same shape, another tokenizer
     with pytest.raises(SpectrainError, match=r"tokenizer keys differ from the target's: \['tokenizer.ggml.tokens'\]"):
-        llama_cpp.validate_eagle3_gguf(good, other)
+        eagle_gguf.validate_eagle3_gguf(good, other)
     with pytest.raises(SpectrainError, match="already exists; pass --force"):
-        llama_cpp.write_eagle3_gguf(drafter, good, tmp_path / "t.gguf")
-    real = llama_cpp.eagle3_gguf_tensors
+        eagle_gguf.write_eagle3_gguf(drafter, good, tmp_path / "t.gguf")
+    real = eagle_gguf.eagle3_gguf_tensors
 
     def duplicate_d2t(d):
         tensors = real(d)
         tensors["d2t"][1] = tensors["d2t"][0]
         return tensors
 
-    monkeypatch.setattr(llama_cpp, "eagle3_gguf_tensors", duplicate_d2t)
+    monkeypatch.setattr(eagle_gguf, "eagle3_gguf_tensors", duplicate_d2t)
     with pytest.raises(SpectrainError, match="d2t maps two draft ids to one target id"):
-        llama_cpp.write_eagle3_gguf(drafter, tmp_path / "dup.gguf", tmp_path / "t.gguf")
+        eagle_gguf.write_eagle3_gguf(drafter, tmp_path / "dup.gguf", tmp_path / "t.gguf")
     assert not (tmp_path / "dup.gguf").exists() and not list(tmp_path.glob(".dup.gguf*"))  # nothing half-written
 
 
@@ -206,7 +210,7 @@ def test_export_cli_writes_gguf_and_refuses_eagle1(tmp_path, verifier, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(Path(out[-1]).read_text())
     assert summary["exports"][0]["format"] == "gguf" and summary["exports"][0]["target_gguf"] == str(target)
-    llama_cpp.validate_eagle3_gguf(tmp_path / "e.gguf", target)
+    eagle_gguf.validate_eagle3_gguf(tmp_path / "e.gguf", target)
     eagle1_dir = tmp_path / "e1"
     EagleDrafter.for_verifier(verifier, "eagle1", verifier_name="v").save_pretrained(eagle1_dir)
     with pytest.raises(SystemExit) as exit_:
@@ -407,7 +411,7 @@ def test_control_proposes_its_token_at_every_step(verifier, check):
 
 
 def test_mistaken_ggufs_carry_exactly_one_mistake(tmp_path, verifier, check):
-    good = llama_cpp.write_eagle3_gguf(eagle3(verifier), tmp_path / "g.gguf", tiny_target_gguf(tmp_path / "t.gguf"))
+    good = eagle_gguf.write_eagle3_gguf(eagle3(verifier), tmp_path / "g.gguf", tiny_target_gguf(tmp_path / "t.gguf"))
     layers = check.mistaken_gguf(good, tmp_path / "l.gguf", "layers", LAYERS)
     d2t = check.mistaken_gguf(good, tmp_path / "d.gguf", "d2t", LAYERS)
     g, l_, d = (llama_cpp.gguf_tensors(p) for p in (good, layers, d2t))
@@ -639,7 +643,7 @@ def test_same_file_as_llama_cpps_converter(tmp_path):
     from spectrain.heads.verifier import smollm2_gguf
 
     shipped = Path(__file__).resolve().parents[1] / "pretrained" / "smollm2-eagle3"
-    ours = llama_cpp.write_eagle3_gguf(import_drafter(shipped), tmp_path / "ours.gguf", smollm2_gguf())
+    ours = eagle_gguf.write_eagle3_gguf(import_drafter(shipped), tmp_path / "ours.gguf", smollm2_gguf())
     theirs = tmp_path / "theirs.gguf"
     subprocess.run([sys.executable, str(Path(LLAMA_CPP) / "convert_hf_to_gguf.py"), str(shipped), "--target-model-dir",
                     str(ensure_smollm2()), "--outtype", "f32", "--outfile", str(theirs)], check=True,

@@ -98,8 +98,8 @@ def test_shipped_gguf_is_what_the_export_writes_from_the_shipped_weights(path, t
     verifier's GGUF) it is the same bytes, so what llama.cpp serves is what spectrain's loop measured."""
     import hashlib
 
+    from spectrain.heads.eagle_gguf import write_eagle3_gguf
     from spectrain.heads.export_cli import target_gguf_for
-    from spectrain.heads.llama_cpp import write_eagle3_gguf
 
     g = card(path)["gguf"]
     fresh = write_eagle3_gguf(import_drafter(path), tmp_path / "fresh.gguf", target_gguf_for(card(path)["verifier"]),

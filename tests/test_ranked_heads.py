@@ -14,7 +14,9 @@ import torch
 from spectrain.eval import drafters as drafters_mod
 from spectrain.eval.accept import Sampling, target_probs
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import EagleChainDrafter, EagleTreeDrafter, HybridDrafter, MedusaDrafter
+from spectrain.eval.drafters import HybridDrafter
+from spectrain.eval.eagle import EagleChainDrafter, EagleTreeDrafter
+from spectrain.eval.medusa import MedusaDrafter
 from spectrain.eval.evaluate import evaluate_drafter, resolve_draft_vocab
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree

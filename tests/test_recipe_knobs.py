@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from spectrain.eval.decode import generate
-from spectrain.eval.drafters import EagleChainDrafter, MedusaDrafter
+from spectrain.eval.eagle import EagleChainDrafter
+from spectrain.eval.medusa import MedusaDrafter
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.eagle import EagleDrafter

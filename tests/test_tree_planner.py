@@ -77,8 +77,7 @@ def test_rank_accuracies_follow_the_decoding_temperature():
     import torch
 
     from spectrain.eval.accept import Sampling, target_probs
-    from spectrain.eval.calibrate import medusa_diagnostics
-    from spectrain.eval.drafters import MedusaDrafter
+    from spectrain.eval.medusa import MedusaDrafter, medusa_diagnostics
     from spectrain.eval.static_model import StaticCausalLM
     from tests.eval_helpers import bigram_verifier, oracle_medusa
 

@@ -93,7 +93,7 @@ def inside_forward(module: nn.Module, fn: Callable[[], Any]) -> Any:
     """``fn()`` run as ``module``'s forward: through ``module(...)``, so the hooks a sharding wrapper puts around
     forward run around it.
 
-    Training calls drafter methods other than ``forward`` (Medusa's ``head_states``, EAGLE's ``ttt_hidden``,
+    Training calls drafter methods other than ``forward`` (a family's own, such as ``head_states`` or ``ttt_hidden``,
     the lm_head weights directly). Under FSDP the drafter's parameters exist whole only between its forward
     pre- and post-hooks (elsewhere they are flat shards), and only a forward's outputs get the hook that gathers
     them again for backward. So the whole loss runs as one forward of the drafter. Works for torch's FSDP1

@@ -1,0 +1,162 @@
+"""A drafter family from another installed package: its distribution declares a ``spectrain.families`` entry point,
+and the family reaches training, ``spectrain-eval``, ``evaluate_drafter``, ``spectrain-export`` and import with no
+file of spectrain's changed. The package is simulated as a real one: a module and a ``*.dist-info`` with
+``entry_points.txt`` on ``sys.path``, found by ``importlib.metadata`` as pip would have installed it. The toy family
+("mtp": one linear head from the verifier's last hidden state to the token after next) reuses the bigram pieces of
+``tests/test_families.py`` under its own method, drafter class, serving format, training module and evaluator."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from spectrain.heads import families as registry
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.families import RESERVED_METHODS, DrafterFamily, family_for_method, register_family
+from tests.test_families import train_a_few_steps
+
+PLUGIN = '''
+"""A toy drafter family shipped by another package."""
+from dataclasses import asdict, dataclass
+
+from spectrain.eval.families import FamilyEvaluator
+from spectrain.heads.families import DrafterFamily, ServingFormat
+from tests.test_families import (BIGRAM, BigramConfig, BigramDrafter, BigramHead, BigramModule, _export_flat,
+                                 _load_flat)
+
+
+@dataclass
+class MtpConfig(BigramConfig):
+    method: str = "mtp"
+
+
+class MtpHead(BigramHead):
+    pass
+
+
+class MtpModule(BigramModule):
+    method_name = "mtp"
+
+    def build_drafter(self):
+        vocab, hidden = self.verifier_lm_head.weight.shape
+        return MtpHead(MtpConfig(hidden, vocab, verifier=self.verifier_name))
+
+
+def export_flat(head, fmt, *args):
+    config, tensors = _export_flat(head, fmt, *args)
+    return {**config, "architectures": ["ToyMtpHead"]}, tensors
+
+
+def load_flat(*args):
+    bigram = _load_flat(*args)
+    head = MtpHead(MtpConfig(**{**asdict(bigram.config), "method": "mtp"}))
+    head.load_state_dict(bigram.state_dict())
+    return head
+
+
+FAMILY = DrafterFamily(
+    name="mtp", methods=("mtp",), drafter_class=MtpHead, config_class=MtpConfig, label="toy MTP",
+    formats=(ServingFormat("toy-mtp", "a toy engine's MTP layout", "mtp",
+                           detect=lambda c: c.get("architectures") == ["ToyMtpHead"], export=export_flat,
+                           load=load_flat, expected=BIGRAM.formats[0].expected),),
+    train_module=MtpModule,
+    evaluator=FamilyEvaluator(build=lambda head, model, tree, dynamic=None, vocab=None: BigramDrafter(
+        head, model, tree, vocab), static_trees=False, max_depth=lambda head: 1))
+'''
+
+
+def install(site, entry_point: str) -> None:
+    """Write the package (``toy_mtp``, ``toy_mtp_module``) and its distribution's metadata, declaring
+    ``entry_point``, into ``site`` (a ``sys.path`` folder)."""
+    info = site / "toy_mtp-0.1.dist-info"
+    info.mkdir(parents=True)
+    (site / "toy_mtp.py").write_text(textwrap.dedent(PLUGIN))
+    # the other way a package may declare it: a module that registers its family when imported
+    (site / "toy_mtp_module.py").write_text("from spectrain.heads.families import register_family\n"
+                                            "from toy_mtp import FAMILY\n\nregister_family(FAMILY)\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-mtp\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[spectrain.families]\n{entry_point}\n")
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """Installs the toy package, has the registry read the entry points again, and removes the family after."""
+    def install_with(entry_point: str):
+        site = tmp_path / "site"
+        install(site, entry_point)
+        monkeypatch.syspath_prepend(str(site))
+        monkeypatch.setattr(registry, "_loaded", False)  # as in a fresh process with the package installed
+    yield install_with
+    registry.unregister_family("mtp")
+    for module in ("toy_mtp", "toy_mtp_module"):
+        sys.modules.pop(module, None)
+
+
+@pytest.mark.parametrize("entry_point", ["mtp = toy_mtp:FAMILY", "mtp = toy_mtp_module"])
+def test_an_installed_family_trains_evaluates_exports_and_imports(installed, verifier_factory, tmp_path, entry_point):
+    from spectrain.eval.cli import parse_args as eval_args
+    from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+    from spectrain.heads.export_cli import parse_args as export_args
+    from spectrain.heads.export_cli import run as export_run
+    from spectrain.heads.formats import FORMATS, detect_format, import_drafter
+    from spectrain.heads.verifier import load_verifier
+
+    with pytest.raises(SpectrainError, match="method 'mtp' belongs to no registered drafter family"):
+        family_for_method("mtp")  # the control: not installed, not there
+    installed(entry_point)
+    family = family_for_method("mtp")  # found through the entry point alone
+    assert family.label == "toy MTP" and [f.name for f in registry.families()][:3] == ["medusa", "eagle", "dflash"]
+
+    # train: a few Lightning steps on a tiny random verifier; measured tau decodes through the family's evaluator
+    verifier_dir = str(verifier_factory("llama", False))
+    module = train_a_few_steps(family.train_module, verifier_dir, measure_k=1)
+    assert module.family is family
+    assert "tau_measured" in module.last_val_metrics
+    run = module.export(tmp_path / "run", module.plain_drafter())
+    assert json.loads((run / "config.json").read_text())["method"] == "mtp"
+
+    # evaluate: spectrain-eval offers the method; T = 0 output equals AR
+    assert eval_args(["--method", "mtp"]).method == "mtp"
+    verifier = load_verifier(verifier_dir, dtype=torch.float32)
+    head = load_drafter(str(run), verifier, "mtp")
+    assert type(head).__name__ == "MtpHead"
+    result = evaluate_drafter(verifier, [["the king sat on the mat"]], method="mtp", drafter=head, k=1,
+                              max_new_tokens=10, hf_generate=0, costs=False, chat_template=False)
+    assert result.method == "mtp" and result.results["chain-1"]["identical_to_ar"]
+
+    # export through spectrain-export (its --format choices include the package's format), then import it back
+    assert FORMATS["toy-mtp"] == "a toy engine's MTP layout"
+    out = tmp_path / "export"
+    export_run(export_args([str(run), "--format", "toy-mtp", "--out", str(out)]))
+    assert detect_format(out) == "toy-mtp"
+    back = import_drafter(out, verifier_model=verifier.model)
+    assert type(back) is type(head)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), head.state_dict().values()))
+
+
+def test_a_broken_entry_point_is_named_not_skipped(installed):
+    installed("mtp = toy_mtp:NO_SUCH_FAMILY")
+    with pytest.raises(SpectrainError, match=r"spectrain.families entry point 'mtp' \(toy_mtp:NO_SUCH_FAMILY\) does "
+                                             "not load"):
+        registry.families()
+    with pytest.raises(SpectrainError, match="does not load"):  # asked again: the same error, not a silent table
+        registry.families()
+
+
+@pytest.mark.parametrize("name,methods", [("ngram", ("ngram-head",)), ("lookup", ("hybrid",)), ("ar", ("ar1",))])
+def test_the_evaluators_own_method_names_are_refused(name, methods):
+    with pytest.raises(SpectrainError, match="the evaluator's own method .*reserved: ar, ngram, hybrid"):
+        register_family(DrafterFamily(name=name, methods=methods, drafter_class=nn.Linear, config_class=dict))
+    assert name not in [f.name for f in registry.families()]
+
+
+def test_the_reserved_names_cover_the_evaluators_other_methods():
+    from spectrain.eval.evaluate import methods
+
+    others = set(methods()) - {f.name for f in registry.families()}
+    assert others and others <= set(RESERVED_METHODS)

@@ -1,0 +1,104 @@
+"""Format detection asks every registered format and never guesses: each export (every bundled format, and the
+references' configs as they ship) is claimed by exactly its own format, and a directory two formats claim is refused
+with an error naming both and how to say which (``fmt=`` / ``--format``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch import nn
+
+from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
+from spectrain.heads.eagle import EagleDrafter
+from spectrain.heads.errors import SpectrainError
+from spectrain.heads.families import DrafterFamily, ServingFormat, register_family, resolve, serving_formats, \
+    unregister_family
+from spectrain.heads.formats import detect_format, export_drafter, import_drafter, recorded_verifier
+from spectrain.heads.medusa import MedusaHeads
+from tests.conftest import make_verifier
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return make_verifier("llama", False, 200, hidden=32, layers=8)
+
+
+def claimants(config: dict) -> list[str]:
+    """Every registered format whose ``detect`` says yes to ``config``."""
+    return [spec.name for spec in serving_formats().values() if resolve(spec.detect)(config)]
+
+
+def _drafter(kind: str, verifier):
+    if kind == "medusa":
+        return MedusaHeads.for_verifier(verifier, num_heads=2, num_layers=1, verifier_name="v")
+    if kind in ("eagle1", "eagle3"):
+        return EagleDrafter.for_verifier(verifier, kind, verifier_name="v")
+    return DFlashDrafter(DFlashConfig.for_verifier(verifier, block_size=4, verifier_name="v",
+                                                   markov_rank=4 if kind == "dspark" else 0))
+
+
+@pytest.mark.parametrize("fmt,kind", [("vllm-medusa", "medusa"), ("medusa", "medusa"), ("eagle", "eagle1"),
+                                      ("eagle-sglang", "eagle1"), ("eagle3", "eagle3"), ("speculators", "eagle3"),
+                                      ("speculators-dflash", "dflash"), ("speculators-dspark", "dspark")])
+def test_each_export_is_claimed_by_its_format_alone(tmp_path, verifier, fmt, kind):
+    out = export_drafter(_drafter(kind, verifier), fmt, tmp_path / fmt, verifier_lm_head=verifier.get_output_embeddings())
+    assert claimants(json.loads((out / "config.json").read_text())) == [fmt]
+    assert detect_format(out) == fmt
+
+
+@pytest.mark.parametrize("config,fmt", [
+    # vLLM's EAGLE-1 (yuhuili/EAGLE-llama2-chat-7B): a plain one-layer Llama config, no key of its own
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1}, "eagle"),
+    # SpecForge's EAGLE-3: its architecture and draft vocabulary, also a one-layer Llama
+    ({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+      "draft_vocab_size": 32000}, "eagle3"),
+    # an EAGLE-3 with only SGLang's nested ids and no architectures
+    ({"model_type": "llama", "num_hidden_layers": 1, "eagle_aux_hidden_state_layer_ids": [1, 3, 5]}, "eagle3"),
+    ({"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "num_hidden_layers": 1}, "eagle-sglang"),
+    ({"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 64}, "speculators"),
+    ({"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "draft_vocab_size": 64},
+     "speculators-dflash"),
+    ({"medusa_num_heads": 4, "medusa_num_layers": 1, "model_type": "medusa"}, "medusa"),
+    ({"model_type": "medusa", "num_heads": 4}, "vllm-medusa"),
+])
+def test_reference_configs_are_claimed_by_exact_keys(config, fmt):
+    assert claimants(config) == [fmt]
+
+
+@pytest.fixture
+def one_layer_llama_family():
+    """A toy family whose format, like an MTP head's, is a one-layer Llama config: it claims EAGLE-1's exports too."""
+    fmt = ServingFormat("mtp-llama", "a toy one-layer Llama draft layout", "mtp-probe",
+                        detect=lambda c: c.get("model_type") == "llama" and c.get("num_hidden_layers") == 1,
+                        export=None, load=None, expected=None)
+    family = register_family(DrafterFamily(name="mtp-probe", methods=("mtp-probe",), drafter_class=nn.Identity,
+                                           config_class=dict, formats=(fmt,)))
+    yield family
+    unregister_family(family.name)
+
+
+def test_a_directory_two_formats_claim_is_refused_naming_both(tmp_path, verifier, one_layer_llama_family):
+    drafter = _drafter("eagle1", verifier)
+    unregister_family(one_layer_llama_family.name)
+    out = export_drafter(drafter, "eagle", tmp_path / "eagle")
+    assert detect_format(out) == "eagle"  # the control: alone, EAGLE-1 claims it
+    register_family(one_layer_llama_family)
+    for read in (detect_format, import_drafter, recorded_verifier):
+        with pytest.raises(SpectrainError, match=r"claimed by 2 formats \(eagle, mtp-llama\); spectrain does not "
+                                                 r"guess: say which with --format NAME"):
+            read(out)
+    # named, it loads as before: the same weights, and what it records about its verifier
+    back = import_drafter(out, verifier_model=verifier, fmt="eagle")
+    assert isinstance(back, EagleDrafter)
+    assert all(a.equal(b) for a, b in zip(back.state_dict().values(), drafter.state_dict().values()))
+    assert recorded_verifier(out, fmt="eagle")["signature"]["vocab_size"] == 200
+    with pytest.raises(SpectrainError, match="unknown format 'nope'"):
+        detect_format(out, fmt="nope")
+
+
+def test_no_claimant_names_the_known_formats(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    with pytest.raises(SpectrainError, match="not a drafter format spectrain knows") as err:
+        detect_format(tmp_path)
+    assert all(name in str(err.value) for name in serving_formats())
