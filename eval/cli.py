@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="static tree: JSON list of rank paths (inline or file), or auto:N for the best N-node tree "
                         f"from measured per-head rank accuracies ({families_that(lambda e: e.rank_trees)})")
     p.add_argument("--dynamic_tree", default=None, metavar="DEPTH,TOPK,BUDGET",
-                   help="also evaluate a dynamic tree (EAGLE-2's): the drafter's own top-k expansion "
+                   help="also evaluate a dynamic tree: the drafter's own top-k expansion "
                         f"({families_that(lambda e: e.dynamic_trees)}, hybrid, draft-model, truncated)")
     p.add_argument("--prompts", default=BUNDLED, help="MT-bench/Alpaca turns jsonl, json, text file, or bundled")
     p.add_argument("--num_prompts", type=int, default=20)

@@ -307,7 +307,7 @@ def truncated_verifier(model, num_layers: int):
 
 def grow_dynamic_tree(root_logp: torch.Tensor, depth_cap: int, topk: int, budget: int, expand,
                       vocab: torch.Tensor | None = None) -> Proposal:
-    """A dynamic tree (EAGLE-2's), built on the device (no host read).
+    """A dynamic tree, built on the device (no host read).
 
     The root's ``topk`` best tokens start it; at each of ``depth_cap - 1`` levels the ``topk`` best frontier
     nodes (by cumulative log-probability) are expanded by their ``topk`` best children in one drafter pass:
@@ -357,7 +357,7 @@ def grow_dynamic_tree(root_logp: torch.Tensor, depth_cap: int, topk: int, budget
 
 
 class DynamicTreeDrafter(ModelDrafter):
-    """A dynamic tree (EAGLE-2's) from an autoregressive draft model.
+    """A dynamic tree from an autoregressive draft model.
 
     Each round: expand the ``topk`` best frontier nodes by their ``topk`` children for ``depth`` steps (one
     draft forward per depth for the whole frontier, through a tree mask over scratch cache slots), score

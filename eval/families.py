@@ -30,7 +30,7 @@ class FamilyEvaluator:
     Attributes:
         build: ``build(learned, model, tree, *, dynamic=None, vocab=None) -> Drafter``: the decoding drafter over
             the learned module ``learned`` for the verifier's HF ``model``: drafting ``tree`` (a chain or a static
-            rank-path :class:`~.tree.Tree`), or with ``dynamic=(depth, topk, budget)`` a dynamic tree (EAGLE-2's)
+            rank-path :class:`~.tree.Tree`), or with ``dynamic=(depth, topk, budget)`` a dynamic tree
             grown each round (``tree`` is then its depth chain); ``vocab`` (N,) target ids of a ranked draft
             vocabulary, or None for the drafter's own head.
         static_trees: it drafts static rank-path trees (else chains only).
