@@ -20,16 +20,14 @@ from spectrain.heads.verifier import load_verifier, resolve_dtype
 
 from .decode_dtype import cpu_record, decode_dtype
 from .evaluate import Settings, evaluate_drafter, load_drafter, methods
-from .families import evaluator_of, learned_methods
+from .families import families_with, learned_methods
 from .plots import write_plots
 from .prompts import BUNDLED, load_prompts
 
 
 def families_that(wants) -> str:
-    """The registered families whose evaluator ``wants`` (for ``--help``)."""
-    from spectrain.heads.families import families
-
-    return ", ".join(f.name for f in families() if wants(evaluator_of(f)))
+    """The registered families whose evaluator ``wants`` (for ``--help``; a family without one is skipped)."""
+    return ", ".join(f.name for f in families_with(wants))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -43,7 +43,7 @@ from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
 from . import metrics
 from .drafters import check_min_match
 from .evaluate import EvalResult, encode_turn, evaluate_drafter, load_drafter, summarize
-from .families import evaluator_of
+from .families import evaluator_of, families_with
 from .prompts import prompt_rows
 from .static_model import default_batch_invariant
 
@@ -53,7 +53,8 @@ PROMPT_SETS = ("mt_bench", "alpaca", "gsm8k")
 def published() -> list[dict]:
     """Figures the registered families' papers report, for the side-by-side (their setting differs from ours and
     the table says how)."""
-    return [dict(row) for family in families() for row in evaluator_of(family).published]
+    return [dict(row) for family in families_with(lambda e: bool(e.published))
+            for row in evaluator_of(family).published]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -241,6 +241,16 @@ def verifier_name_of(drafter) -> str:
 
 
 # -- import -----------------------------------------------------------------------------------------------------
+def _claims(spec, config: dict) -> bool:
+    """Whether ``spec``'s detect predicate claims ``config``; a predicate that raises on a config it does not
+    expect (another format's keys) names its format rather than breaking every other format's detection."""
+    try:
+        return bool(resolve(spec.detect)(config))
+    except Exception as err:  # a plugin's predicate: any error, reported as that format's
+        raise SpectrainError(f"format {spec.name!r}'s detect raised {type(err).__name__}: {err} (its predicate must "
+                             "return False for a config it does not read)") from None
+
+
 def detect_format(path: str | Path, fmt: str | None = None) -> str:
     """``spectrain`` (our own run/drafter directory) or the one registered format that claims ``path``'s
     config.json; ``fmt`` names the format instead (for a directory several formats claim).
@@ -260,7 +270,7 @@ def detect_format(path: str | Path, fmt: str | None = None) -> str:
         return fmt
     if "method" in config and "format_version" in config:  # ours; import_drafter finds the family of its method
         return OUR_FORMAT
-    claims = [spec.name for spec in serving_formats().values() if resolve(spec.detect)(config)]
+    claims = [spec.name for spec in serving_formats().values() if _claims(spec, config)]
     if len(claims) == 1:
         return claims[0]
     if claims:

@@ -102,3 +102,23 @@ def test_no_claimant_names_the_known_formats(tmp_path):
     with pytest.raises(SpectrainError, match="not a drafter format spectrain knows") as err:
         detect_format(tmp_path)
     assert all(name in str(err.value) for name in serving_formats())
+
+
+def test_a_family_without_evaluator_or_with_a_raising_predicate_breaks_nothing_else(tmp_path):
+    """A family registered with no evaluator leaves spectrain-eval's parser and spectrain-results' published
+    figures as they were; a detect predicate that raises on another format's config is named, not a traceback."""
+    from spectrain.eval.cli import parse_args
+    from spectrain.eval.results import published
+
+    before = published()
+    fmt = ServingFormat("raises", "a predicate that reads a key others lack", "exportonly",
+                        detect=lambda c: c["architectures"][0] == "Nope", export=None, load=None, expected=None)
+    family = register_family(DrafterFamily(name="exportonly", methods=("exportonly",), drafter_class=nn.Identity,
+                                           config_class=dict, formats=(fmt,)))
+    try:
+        assert parse_args(["--method", "ngram"]).method == "ngram" and published() == before
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        with pytest.raises(SpectrainError, match="format 'raises''s detect raised KeyError"):
+            detect_format(tmp_path)
+    finally:
+        unregister_family(family.name)
