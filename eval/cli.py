@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
+from spectrain.heads.families import OUR_FORMAT
+from spectrain.heads.formats import input_format
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, resolve_dtype
 
@@ -40,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", default=None, help="drafter directory: a train_medusa / train_eagle run dir, or "
                    "an export in any spectrain-export format (vLLM, SGLang, TensorRT-LLM, speculators); "
                    "--method hybrid takes either kind")
+    p.add_argument("--drafter_format", default=None, metavar="NAME",
+                   help=f"the format --drafter is in, where several registered formats claim its directory: "
+                        f"{OUR_FORMAT} (a run directory) or a spectrain-export format; default: detected")
     p.add_argument("--min_match", type=int, default=2,
                    help="--method hybrid: a chain round drafts by prompt lookup when the context's last N or more "
                         "tokens occurred earlier (and by the learned drafter otherwise); trees always carry the "
@@ -148,6 +153,12 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     options = draft_options(args)
     settings = Settings(**options)
     settings.check()  # before anything is loaded
+    if args.drafter_format and args.method not in learned_methods() + ("hybrid",):
+        raise SpectrainError(f"--drafter_format names the format of a learned --drafter: --method {args.method} "
+                             "loads none")
+    if args.drafter_format and not args.drafter:
+        raise SpectrainError("--drafter_format names the format of --drafter: give --drafter")
+    input_format(args.drafter_format)
     if args.dtype == "auto":
         dtype, dtype_choice = decode_dtype(args.device)
     else:
@@ -160,7 +171,7 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     chat_template = {"on": True, "off": False}.get(args.chat_template, has_template and args.prompts != BUNDLED)
     drafter = None
     if args.method in learned_methods() + ("hybrid",):
-        drafter = load_drafter(args.drafter, verifier, args.method, args.allow_verifier_mismatch)
+        drafter = load_drafter(args.drafter, verifier, args.method, args.allow_verifier_mismatch, args.drafter_format)
     draft_model = None
     if args.method == "draft-model":
         draft_model = load_draft_model(args.draft_model, verifier, args.device)
@@ -170,6 +181,7 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     out_dir = Path(args.out or f"runs/eval/{args.method}-{Path(args.verifier.replace(':', '-')).name}")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"command": command or "spectrain-eval", "verifier": args.verifier, "drafter": args.drafter,
+               **({"drafter_format": args.drafter_format} if args.drafter_format else {}),
                "prompts": args.prompts, "dtype_choice": dtype_choice, "cpu": cpu_record(), **result.to_dict()}
     summary["plots"] = write_plots(summary, out_dir)
     return finish(summary, out_dir / "eval.json", tables=tables(summary))

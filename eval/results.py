@@ -36,11 +36,13 @@ import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.io import read_json, sha256_files, write_json
-from spectrain.heads.families import families, family_of
+from spectrain.heads.families import OUR_FORMAT, families, family_of
+from spectrain.heads.formats import detect_format
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
 
 from . import metrics
+from .cli import named_values
 from .drafters import check_min_match
 from .evaluate import EvalResult, encode_turn, evaluate_drafter, load_drafter, summarize
 from .families import evaluator_of, families_with
@@ -63,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verifier", default="bundled:smollm2", help="hub id, local dir or bundled:<name>")
     p.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
                    help="a drafter to evaluate (repeatable): run dir or export; NAME labels its rows")
+    p.add_argument("--drafter_format", action="append", default=[], metavar="NAME=FORMAT",
+                   help=f"the format of --drafter NAME's directory, where several registered formats claim it "
+                        f"(repeatable): {OUR_FORMAT} (a run directory) or a spectrain-export format; default: detected")
     p.add_argument("--ngram", action="store_true",
                    help="also measure prompt lookup (training-free; rows named 'ngram': the chain, no tree)")
     p.add_argument("--hybrid", action="append", default=[], metavar="NAME",
@@ -176,6 +181,19 @@ def parse_drafters(specs: list[str]) -> dict[str, str]:
     return drafters
 
 
+def drafter_formats(specs: list[str], drafters: dict[str, str]) -> dict[str, str]:
+    """``--drafter_format NAME=FORMAT`` -> {drafter name: its directory's format}, each a --drafter's. Every
+    drafter's format is settled here, before anything is measured: a directory several formats claim without
+    a --drafter_format, or one not in the format named, is refused now, not after the greedy references."""
+    formats = named_values(specs, "--drafter_format")
+    for name, fmt in formats.items():
+        if name not in drafters:
+            raise SpectrainError(f"--drafter_format {name}={fmt}: no --drafter of that name")
+    for name, path in drafters.items():
+        detect_format(path, formats.get(name))
+    return formats
+
+
 # -------------------------------------------------------------------------------------------- rows
 
 
@@ -206,8 +224,9 @@ def plan_rows(args, drafters: dict[str, str], sets: dict[str, list[dict]]) -> li
 class Context:
     """The verifier, the prompt sets and the loaded drafters (loaded once, on demand)."""
 
-    def __init__(self, args, sets: dict[str, list[dict]]):
+    def __init__(self, args, sets: dict[str, list[dict]], formats: dict[str, str] | None = None):
         self.args = args
+        self.formats = formats or {}  # drafter name -> its directory's format, where --drafter_format names one
         self.verifier = load_verifier(args.verifier, dtype=resolve_dtype(args.dtype, args.device), device=args.device)
         self.tokenizer = self.verifier.tokenizer
         if not getattr(self.tokenizer, "chat_template", None):
@@ -225,7 +244,7 @@ class Context:
     def drafter(self, name: str, path: str):
         """The trained drafter named ``name`` (loaded on first use)."""
         if name not in self._drafters:
-            self._drafters[name] = load_drafter(path, self.verifier)
+            self._drafters[name] = load_drafter(path, self.verifier, fmt=self.formats.get(name))
         return self._drafters[name]
 
     def evaluate(self, set_name: str, reference: list[dict] | None = None, **options) -> EvalResult:
@@ -251,8 +270,8 @@ def row_options(ctx: Context, row: dict, path: str) -> tuple[dict, dict]:
     evaluator = evaluator_of(family)
     depth = evaluator.max_depth(learned)
     if chain and depth is not None and depth < args.k:
-        raise SpectrainError(f"drafter {name} has {depth} {family.label} heads; a chain of {args.k} needs {args.k} "
-                             f"(train with --model.num_heads {args.k} or lower --k)")
+        raise SpectrainError(f"drafter {name} ({family.label}) drafts at most {depth} tokens a round; a chain of "
+                             f"{args.k} needs {args.k}: lower --k (or train it deeper)")
     if not chain and not (evaluator.dynamic_trees or evaluator.rank_trees):
         raise SpectrainError(f"drafter {name}: {family.label} drafters grow neither dynamic trees nor trees from "
                              "rank accuracies, so they have no tree rows: pass --tree_nodes 0")
@@ -371,6 +390,7 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
     if args.sampled_temperature <= 0:
         raise SpectrainError(f"--sampled_temperature must be > 0, got {args.sampled_temperature}")
     drafters = parse_drafters(args.drafter)
+    formats = drafter_formats(args.drafter_format, drafters)
     learned = dict(drafters)
     for name in args.hybrid:
         if name not in learned:
@@ -389,7 +409,7 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
         raise SpectrainError("no prompt sets: give --mt_bench, --alpaca and/or --gsm8k")
     rows = plan_rows(args, drafters, sets)
     out = Path(args.out)
-    ctx = Context(args, sets)
+    ctx = Context(args, sets, formats)
     settings = settings_of(args, sets)
     # Batch-invariant numbers depend on the decoder's buffer width (the attention span): rows and references
     # made with another width or mode are not this run's.
@@ -397,8 +417,9 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
         args.device, resolve_dtype(args.dtype, args.device)))
     rows_dir = open_out(out, settings, args.force)
     prints = {name: ("ngram-max3" if name == "ngram" else fingerprint(path) + (
-        f"-hybrid-m{args.min_match}s{args.min_match_sampled}" if name.startswith("hybrid-") else ""))
-              for name, path in drafters.items()}
+        f"-hybrid-m{args.min_match}s{args.min_match_sampled}" if name.startswith("hybrid-") else "") + (
+        f"-as-{formats[name.removeprefix('hybrid-')]}" if name.removeprefix("hybrid-") in formats else ""))
+              for name, path in drafters.items()}  # the same weights read by another format's loader: new rows
     t0 = time.time()
 
     references = {}

@@ -114,19 +114,21 @@ class EvalResult:
         return asdict(self)
 
 
-def load_drafter(path: str, verifier: Verifier, method: str | None = None, allow_mismatch: bool = False):
+def load_drafter(path: str, verifier: Verifier, method: str | None = None, allow_mismatch: bool = False,
+                 fmt: str | None = None):
     """Any drafter (a run dir or an export in any format) on the verifier's device and dtype, in eval mode.
 
     ``method`` (a family's name) refuses a drafter of another family. The drafter's recorded verifier is matched by
     signature, not by name (:func:`~spectrain.heads.verifier.match_verifier`: architecture, model type, vocabulary,
     width, depth, tokenizer, whichever both sides record): a differing field is refused unless ``allow_mismatch``;
     another name with an agreeing signature loads, with a warning (also kept as ``drafter.verifier_note``). Sizes
-    are always checked."""
+    are always checked. ``fmt`` names the directory's format where several registered formats claim it
+    (``--drafter_format``); None: detected."""
     if not path:
         raise SpectrainError(f"--method {method} needs --drafter (a train_medusa / train_eagle run directory or "
                              "an export)")
-    drafter = import_drafter(path, verifier_model=verifier.model)
-    note = match_verifier(recorded_verifier(path), verifier, allow_mismatch, where=f"drafter {path}")
+    drafter = import_drafter(path, verifier_model=verifier.model, fmt=fmt)
+    note = match_verifier(recorded_verifier(path, fmt), verifier, allow_mismatch, where=f"drafter {path}")
     if note:
         warnings.warn(note, stacklevel=2)
     drafter.verifier_note = note

@@ -515,6 +515,7 @@ DFLASH_FORMATS = tuple(
 
 register_family(DrafterFamily(
     name="dflash", methods=METHODS, drafter_class=DFlashDrafter, config_class=DFlashConfig, label="DFlash",
+    method_labels=("DFlash", "DSpark"),
     formats=DFLASH_FORMATS, train_module="spectrain.train.dflash:DFlashModule",
     evaluator="spectrain.eval.dflash:DFLASH",
     verifier_depth_key="verifier_layers",  # its own num_hidden_layers is the drafter's depth

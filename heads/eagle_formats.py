@@ -406,19 +406,25 @@ def _is_speculators(c: dict) -> bool:
 
 
 def _is_eagle3(c: dict) -> bool:
+    """EAGLE-3's keys: its architecture, the fused layers' ids (ours at the top level, SGLang's in ``eagle_config``)
+    or a draft vocabulary."""
     return not c.get("speculators_model_type") and (
-        "Eagle3" in " ".join(_architectures(c)) or "eagle_aux_hidden_state_layer_ids" in c or "draft_vocab_size" in c)
+        "Eagle3" in " ".join(_architectures(c)) or "eagle_aux_hidden_state_layer_ids" in c or "eagle_config" in c
+        or "draft_vocab_size" in c)
 
 
 def _is_eagle_sglang(c: dict) -> bool:
-    return not c.get("speculators_model_type") and "LlamaForCausalLMEagle" in _architectures(c)
+    """SGLang's EAGLE-1 architecture, less anything EAGLE-3's keys claim (an EAGLE-3 may carry the same name)."""
+    return not c.get("speculators_model_type") and "LlamaForCausalLMEagle" in _architectures(c) and not _is_eagle3(c)
 
 
 def _is_eagle_vllm(c: dict) -> bool:
-    """vLLM's EAGLE-1 is a plain one-layer Llama config (no key of its own): claimed only when no other EAGLE
-    layout claims it."""
+    """vLLM's EAGLE-1 is a plain one-layer Llama config with no key of its own, so it is claimed only where
+    nothing marks another layout: a plain Llama architecture (or none), no speculators type, no EAGLE-3 key,
+    no Medusa key (a Medusa config may carry a Llama base's shape)."""
     return (c.get("model_type") == "llama" and c.get("num_hidden_layers") == 1
-            and not (_is_speculators(c) or _is_eagle3(c) or _is_eagle_sglang(c)))
+            and set(_architectures(c)) <= {"LlamaForCausalLM"} and not c.get("speculators_model_type")
+            and "medusa_num_heads" not in c and not _is_eagle3(c))
 
 
 EAGLE_FORMATS = (

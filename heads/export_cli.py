@@ -23,9 +23,9 @@ from pathlib import Path
 
 from .compatibility import check_compatible
 from .errors import SpectrainError, run_command
-from .families import families, family_of, resolve
-from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, method_of,
-                      weights_file)
+from .families import GGUF_FORMAT, OUR_FORMAT, families, family_of, resolve
+from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, input_format,
+                      method_of, weights_file)
 from .io import read_json
 from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, convert_verifier, gguf_exports, gguf_tensors, listed,
                         tokenizer_metadata, write_verifier_gguf)
@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spectrain-export", description=__doc__.split("\n")[0])
     p.add_argument("drafter", help="a train_medusa / train_eagle run directory (or any drafter directory "
                                    "spectrain can import)")
+    p.add_argument("--drafter_format", default=None, metavar="NAME",
+                   help=f"the format DRAFTER is in, where several registered formats claim its directory: {OUR_FORMAT} "
+                        "(a run directory) or an export format; default: detected")
     p.add_argument("--format", dest="formats", action="append", choices=sorted([*FORMATS, GGUF]), required=True,
                    help="target layout; repeat for several: " + "; ".join(
                        f"{k}: {v}" for k, v in {**FORMATS, GGUF: gguf_description()}.items()))
@@ -66,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-GGUF = "gguf"
+GGUF = GGUF_FORMAT  # --format gguf: one llama.cpp file, not a serving directory
 
 
 def gguf_description() -> str:
@@ -127,14 +130,15 @@ def without_confidence_head(drafter):
 
 
 def _dropping() -> list[str]:
-    """The families whose drafters can drop a confidence head, as tables name them."""
-    return [f.label for f in families() if f.without_confidence_head is not None]
+    """The methods whose drafters can drop a confidence head, as messages name them."""
+    return list(dict.fromkeys(label for f in families() if f.without_confidence_head is not None
+                              for label in f.method_labels))  # a family whose methods share one label: once
 
 
 def run(args: argparse.Namespace) -> Path:
     if args.dtype == "q8_0" and set(args.formats) != {GGUF}:
         raise SpectrainError("--dtype q8_0 is a GGUF block format: it goes with --format gguf only")
-    drafter = import_drafter(args.drafter)
+    drafter = import_drafter(args.drafter, fmt=input_format(args.drafter_format))
     if args.drop_confidence_head:
         drafter = without_confidence_head(drafter)
     method = method_of(drafter)
@@ -149,7 +153,8 @@ def run(args: argparse.Namespace) -> Path:
     verifier_lm_head = None
     ranking = load_ranking(args.drafter)  # vocab_ranking.json beside the weights, or None (an older run)
     signature = load_verifier_signature(args.drafter)
-    if getattr(drafter.config, "shared_lm_head", False):  # heads that project through the verifier's lm_head
+    needs_head = family_of(drafter).exports_need_verifier_head
+    if needs_head is not None and resolve(needs_head)(drafter):  # heads that project through the verifier's lm_head
         name = args.verifier or drafter.config.verifier
         if not name:
             raise SpectrainError(f"these {family_of(drafter).label} heads share the verifier's lm_head and no "

@@ -111,6 +111,7 @@ class DrafterFamily:
             ``model.safetensors`` + ``config.json``).
         config_class: its config dataclass (``drafter_class(config)`` builds an untrained drafter).
         label: how tables and messages name the family (default ``name``).
+        method_labels: how messages name each of its methods, in ``methods`` order (default: ``label`` for each).
         formats: the serving formats it exports and imports: a tuple of :class:`ServingFormat`, or the dotted
             path of one (each bundled family's live beside its model: ``heads/<family>_formats.py`` or its module).
         train_module: its training ``LightningModule`` (a ``DrafterModule`` subclass), by dotted path.
@@ -119,10 +120,12 @@ class DrafterFamily:
         fsdp_units: the module classes FSDP wraps as drafter units (each one whole unit, never split; default
             ``(drafter_class,)``).
         verifier_depth_key: the key of our run-dir ``config.json`` that records the verifier's depth (what
-            ``recorded_verifier`` reads), or None when the drafter does not record it.
+            ``recorded_verifier`` reads), or None (the default) when the drafter does not record it.
         gguf: its :class:`GgufExport` (``spectrain-export --format gguf``), or None.
         without_confidence_head: ``drafter`` -> the drafter less a confidence head that never changes its drafts
             (``spectrain-export --drop_confidence_head``), or None.
+        exports_need_verifier_head: ``drafter`` -> whether writing it needs the verifier's ``lm_head`` (heads
+            that project through it; ``spectrain-export`` then loads the verifier), or None (never).
     """
 
     name: str
@@ -130,21 +133,27 @@ class DrafterFamily:
     drafter_class: type
     config_class: type
     label: str = ""
+    method_labels: tuple[str, ...] = ()
     formats: Ref = ()
     train_module: Ref = None
     evaluator: Ref = None
     fsdp_units: tuple[type, ...] = field(default=())
-    verifier_depth_key: str | None = "num_hidden_layers"
+    verifier_depth_key: str | None = None
     gguf: Ref = None
     without_confidence_head: Ref = None
+    exports_need_verifier_head: Ref = None
 
     def __post_init__(self):
         object.__setattr__(self, "methods", tuple(self.methods))
         object.__setattr__(self, "label", self.label or self.name)
+        object.__setattr__(self, "method_labels", tuple(self.method_labels) or (self.label,) * len(self.methods))
         object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units) or (self.drafter_class,))
         if not self.name or not self.methods:
             raise SpectrainError(f"a drafter family needs a name and at least one method, got {self.name!r} "
                                  f"{self.methods!r}")
+        if len(self.method_labels) != len(self.methods):
+            raise SpectrainError(f"family {self.name}: {len(self.method_labels)} method_labels for "
+                                 f"{len(self.methods)} methods")
 
     def serving_formats(self) -> tuple[ServingFormat, ...]:
         """Its serving formats (imported on first use when named by dotted path)."""
@@ -169,6 +178,8 @@ ENTRY_POINT_GROUP = "spectrain.families"  # an installed package's families (pyp
 # `spectrain-eval --method` would mean two things.
 RESERVED_METHODS = ("ar", "ngram", "hybrid", "draft-model", "truncated", "none")
 OUR_FORMAT = "spectrain"  # our own run-dir format's name (detect_format); no serving format may take it
+GGUF_FORMAT = "gguf"  # spectrain-export's llama.cpp file (a family's GgufExport writes it); no serving format either
+RESERVED_FORMATS = {OUR_FORMAT: "our own run-dir format's", GGUF_FORMAT: "spectrain-export's llama.cpp file's"}
 _loaded = False
 
 
@@ -251,8 +262,9 @@ def serving_formats() -> dict[str, ServingFormat]:
     out: dict[str, ServingFormat] = {}
     for family in families():
         for spec in family.serving_formats():
-            if spec.name == OUR_FORMAT:
-                raise SpectrainError(f"family {family.name}: format name {OUR_FORMAT!r} is our own run-dir format's")
+            if spec.name in RESERVED_FORMATS:
+                raise SpectrainError(f"family {family.name}: format name {spec.name!r} is "
+                                     f"{RESERVED_FORMATS[spec.name]}")
             if spec.name in out:
                 raise SpectrainError(f"format {spec.name!r} is registered twice (family {family.name} and "
                                      f"{family_for_method(out[spec.name].method).name})")

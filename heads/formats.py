@@ -251,6 +251,19 @@ def _claims(spec, config: dict) -> bool:
                              "return False for a config it does not read)") from None
 
 
+SAY_FORMAT = ("--drafter_format NAME (spectrain-eval, spectrain-export; spectrain-results --drafter_format "
+              "DRAFTER=NAME; training: --model.init_from_format NAME; import_drafter(..., fmt=NAME))")
+
+
+def input_format(fmt: str | None) -> str | None:
+    """``fmt`` checked as the name of a drafter directory's format (None: to be detected): ``spectrain`` (a run
+    directory) or a registered serving format; anything else is refused naming them."""
+    if fmt is None or fmt == OUR_FORMAT or fmt in serving_formats():
+        return fmt
+    raise SpectrainError(f"unknown drafter format {fmt!r}; expected {OUR_FORMAT} (a run directory) or one of "
+                         f"{', '.join(sorted(serving_formats()))}")
+
+
 def detect_format(path: str | Path, fmt: str | None = None) -> str:
     """``spectrain`` (our own run/drafter directory) or the one registered format that claims ``path``'s
     config.json; ``fmt`` names the format instead (for a directory several formats claim).
@@ -264,18 +277,21 @@ def detect_format(path: str | Path, fmt: str | None = None) -> str:
             raise SpectrainError(f"{path}/{pickled} is a pickle; spectrain loads safetensors only — convert it "
                                  f"(safetensors.torch.save_file) to {spec.weights_file}")
     config = read_json(path / "config.json", "drafter config")
-    if fmt is not None:
-        if fmt != OUR_FORMAT:
-            serving_format(fmt)  # a registered one, or the error listing them
-        return fmt
-    if "method" in config and "format_version" in config:  # ours; import_drafter finds the family of its method
+    ours = "method" in config and "format_version" in config  # import_drafter finds the family of its method
+    if ours and fmt in (None, OUR_FORMAT):
         return OUR_FORMAT
-    claims = [spec.name for spec in serving_formats().values() if _claims(spec, config)]
+    claims = [] if ours else [spec.name for spec in serving_formats().values() if _claims(spec, config)]
+    if fmt is not None:  # one of the claimants, never a loader the directory is not in
+        if input_format(fmt) in claims:
+            return fmt
+        held = "a spectrain run directory" if ours else \
+            f"claimed by {', '.join(claims)}" if claims else "claimed by no registered format"
+        raise SpectrainError(f"{path} is not in format {fmt} ({held})")
     if len(claims) == 1:
         return claims[0]
     if claims:
         raise SpectrainError(f"{path}/config.json is claimed by {len(claims)} formats ({', '.join(claims)}); "
-                             "spectrain does not guess: say which with --format NAME (import_drafter(..., fmt=NAME))")
+                             f"spectrain does not guess: say which with {SAY_FORMAT}")
     if config.get("speculators_model_type"):
         raise SpectrainError(f"{path}: speculators model type {config['speculators_model_type']!r} is not "
                              f"supported (no registered format reads it; registered: {', '.join(FORMATS)})")

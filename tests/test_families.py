@@ -241,6 +241,48 @@ def test_registration_refuses_a_taken_name_or_method(bigram_family):
     assert family_for_method("bigram") is BIGRAM and family_for_method("eagle1").name == "eagle"
 
 
+@pytest.mark.parametrize("name,whose", [("spectrain", "our own run-dir format's"),
+                                        ("gguf", "spectrain-export's llama.cpp file's")])
+def test_a_format_may_not_take_a_reserved_name(name, whose):
+    from spectrain.heads.families import ServingFormat, serving_formats, unregister_family
+
+    taken = ServingFormat(name, "a layout under a reserved name", "reserved-probe", detect=lambda c: False,
+                          export=None, load=None, expected=None)
+    family = register_family(DrafterFamily(name="reserved-probe", methods=("reserved-probe",),
+                                           drafter_class=nn.Linear, config_class=dict, formats=(taken,)))
+    try:
+        with pytest.raises(SpectrainError, match=f"format name '{name}' is {whose}"):
+            serving_formats()
+    finally:
+        unregister_family(family.name)
+    assert "eagle" in serving_formats()  # the table reads again once it is gone
+
+
+def test_the_confidence_message_names_each_method_once():
+    from spectrain.heads.export_cli import _dropping
+    from spectrain.heads.families import unregister_family
+
+    assert _dropping() == ["DFlash", "DSpark"]
+    family = register_family(DrafterFamily(name="blocky", methods=("blocky-a", "blocky-b"), drafter_class=nn.Linear,
+                                           config_class=dict, without_confidence_head=lambda d: d))
+    try:
+        assert _dropping() == ["DFlash", "DSpark", "blocky"]  # two methods, one default label: named once
+    finally:
+        unregister_family(family.name)
+
+
+def test_a_family_records_no_verifier_depth_unless_it_says_where():
+    """A plugin's run-dir config.json may hold its own num_hidden_layers (its depth, as DFlash's does): read as the
+    verifier's only where the family names the key."""
+    plain = DrafterFamily(name="depthless", methods=("depthless",), drafter_class=nn.Linear, config_class=dict)
+    assert plain.verifier_depth_key is None and plain.method_labels == ("depthless",)
+    assert [family_for_method(m).verifier_depth_key for m in ("medusa", "eagle3", "dflash")] == \
+        [None, "num_hidden_layers", "verifier_layers"]
+    with pytest.raises(SpectrainError, match="1 method_labels for 2 methods"):
+        DrafterFamily(name="x", methods=("x1", "x2"), drafter_class=nn.Linear, config_class=dict,
+                      method_labels=("X",))
+
+
 # -- the three silent mis-routes, now errors ----------------------------------------------------------------------
 def test_import_of_an_unknown_method_is_refused_not_loaded_as_eagle(tmp_path):
     """Our run-dir format with a method no family registered (a plugin's, say): before, any non-Medusa directory

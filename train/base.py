@@ -100,6 +100,8 @@ class DrafterModule(L.LightningModule):
             export in any ``spectrain-export`` format (vLLM, SGLang, TensorRT-LLM, speculators); its shape
             must match this run's (heads, layers, draft vocabulary), and a drafter with its own draft vocabulary
             keeps its map to the verifier's.
+        init_from_format: the format ``init_from`` is in, where several registered formats claim its directory
+            (``spectrain`` or a ``spectrain-export`` format); None: detected.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class DrafterModule(L.LightningModule):
         measure_k: int = 5,
         measure_new_tokens: int = 64,
         init_from: Optional[str] = None,
+        init_from_format: Optional[str] = None,
         token_loss: Literal["ce", "lk_alpha", "lk_hybrid"] = "ce",
         lk_eta: float = 3.0,
     ):
@@ -172,7 +175,9 @@ class DrafterModule(L.LightningModule):
         self.register_buffer("train_rows", None, persistent=False)
         self.register_buffer("to_train_row", None, persistent=False)
         self._frozen_rows = FrozenRows()
-        self.init_from = init_from
+        self.init_from, self.init_from_format = init_from, init_from_format
+        if init_from_format and not init_from:
+            raise SpectrainError("model.init_from_format names the format of model.init_from: give model.init_from")
         if init_from:
             self.load_initial_drafter(init_from)
         # The checkpoint holds only the drafter, so loading it must not demand verifier keys.
@@ -191,7 +196,7 @@ class DrafterModule(L.LightningModule):
         """Copy the weights of the drafter in ``path`` (any importable format) into ``self.drafter``."""
         from spectrain.heads.formats import import_drafter
 
-        source = import_drafter(path, verifier_model=self.verifier)
+        source = import_drafter(path, verifier_model=self.verifier, fmt=self.init_from_format)
         check_same_drafter(source, self.drafter, path)
         self.check_initial_drafter(source, path)
         ours = self.drafter.state_dict()
@@ -218,7 +223,7 @@ class DrafterModule(L.LightningModule):
     # ``__init__`` arguments added after runs were saved, with the value that reproduces a config saved without
     # them: a resumed run's config is compared with the saved one without them while they hold that value
     # (``run_dir.py``). A subclass adds its own to these.
-    added_init_args: dict = {"verifier_device": "auto"}
+    added_init_args: dict = {"verifier_device": "auto", "init_from_format": None}
 
     @classmethod
     def resume_ignores(cls, init_args: dict, saved: dict) -> tuple[str, ...]:

@@ -94,11 +94,11 @@ def quiet_console() -> None:
 class SpectrainCLI(LightningCLI):
     """LightningCLI that adds the run directory, logger choice and the best-drafter checkpoint."""
 
-    def __init__(self, default_config: str, args=None):
+    def __init__(self, default_config: str | None, args=None):
         super().__init__(  # the recipe names its module (model.class_path), as torchgeo's configs do
             DrafterModule, DrafterDataModule, subclass_mode_model=True, run=False, save_config_callback=None,
             auto_configure_optimizers=False, seed_everything_default=0, args=args,
-            parser_kwargs={"default_config_files": [config_path(default_config)],
+            parser_kwargs={"default_config_files": [config_path(default_config)] if default_config else [],
                            "description": "Train a drafter (the recipe's model.class_path) on a frozen verifier."},
         )
 
@@ -219,9 +219,9 @@ def recipe_method(model_config) -> str:
     return method
 
 
-def train(default_config: str, args=None) -> Path:
-    """Parse (``default_config`` under the user's ``--config`` and flags), train, export the best drafter and write
-    ``summary.json``; returns its path."""
+def train(default_config: str | None, args=None) -> Path:
+    """Parse (``default_config`` under the user's ``--config`` and flags; None: the user's ``--config`` alone),
+    train, export the best drafter and write ``summary.json``; returns its path."""
     t0 = time.time()
     quiet_console()
     cli = SpectrainCLI(default_config, args=args)
@@ -259,8 +259,20 @@ def close_loggers(trainer) -> None:
             wandb.finish()
 
 
-def _main(default_config: str) -> None:
+def _main(default_config: str | None) -> None:
     run_command(train, default_config)
+
+
+def spectrain_train() -> None:
+    """Console script ``spectrain-train --config RECIPE.yaml``: any registered family's recipe, a bundled one or an
+    installed package's (its ``model.class_path`` decides what trains); no default recipe."""
+    named = ("-c", "--config", "--model", "-h", "--help", "--print_config")
+    if not any(arg.split("=")[0] in named for arg in sys.argv[1:]):
+        print("error: spectrain-train has no default recipe: give --config RECIPE.yaml (its model.class_path names "
+              "the drafter module; bundled recipes: train_medusa / train_eagle / train_dflash --print_config)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    _main(None)
 
 
 def train_medusa() -> None:

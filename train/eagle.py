@@ -121,7 +121,7 @@ class EagleModule(DrafterModule):
         have no tensor of their own, so the state dicts alone would match and the weights mean something else."""
         from spectrain.heads.formats import import_drafter
 
-        source = import_drafter(path, verifier_model=self.verifier)
+        source = import_drafter(path, verifier_model=self.verifier, fmt=self.init_from_format)
         theirs = {flag: bool(getattr(source.config, flag, False)) for flag in self.norm_flags}
         if theirs != self.norm_flags:
             differ = [flag for flag in self.norm_flags if theirs[flag] != self.norm_flags[flag]]
