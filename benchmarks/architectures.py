@@ -6,9 +6,10 @@ the bundled tinyshakespeare text (``gpu_check.train_verifier``, size ``cpu`` her
 * logits: our decoder (the path ``auto`` picks: the family's own layers unless it is Llama-family) against the
   model's own forward on the same held-out tokens (a prefill, then one token at a time past every sliding window),
   fp32, max |difference|;
-* an EAGLE-1 drafter trained briefly on the same text (``configs/eagle1_tinyshakespeare.yaml``, ``--steps``);
-* ``evaluate_drafter`` in fp32 on held-out prompts: chain ``--k`` and a dynamic tree, τ and whether every output
-  equals AR's::
+* a drafter trained briefly on the same text (``--recipe``, any recipe under ``configs/``, by default EAGLE-1's;
+  ``--steps``);
+* ``evaluate_drafter`` in fp32 on held-out prompts (the method: the trained drafter's family): chain ``--k`` and,
+  where its family grows one, a dynamic tree; τ and whether every output equals AR's::
 
     python benchmarks/architectures.py [--family gemma2 --family phi3 ...] [--steps 150] \\
         [--out docs/results/architectures.json]
@@ -29,9 +30,11 @@ import torch
 
 from spectrain.data.bundled import bundled_text_path, split_text
 from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+from spectrain.eval.families import evaluator_of
 from spectrain.eval.prompts import load_prompts
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.heads.errors import run_command
+from spectrain.heads.families import family_of
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
 from spectrain.train.cli import train
@@ -45,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="architectures.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", action="append", default=None, choices=sorted(gpu_check.FAMILY_OPTIONS))
-    p.add_argument("--steps", type=int, default=150, help="EAGLE-1 training steps per family")
+    p.add_argument("--recipe", default="eagle1_tinyshakespeare.yaml", help="the drafter's recipe (configs/)")
+    p.add_argument("--steps", type=int, default=150, help="the drafter's training steps per verifier family")
     p.add_argument("--num_prompts", type=int, default=8)
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4)
@@ -86,26 +90,31 @@ def measure(family: str, args, work: Path, log) -> dict:
     _, val_text = split_text(bundled_text_path().read_text())
     held_out = verifier.tokenizer(val_text[:4000])["input_ids"][:160]
     diff, path = logits_diff(verifier.model, held_out, 64)
-    run = work / family / "eagle1"
+    run = work / family / Path(args.recipe).stem  # one run dir per recipe
     if not (run / "summary.json").exists():
-        train("eagle1_tinyshakespeare.yaml", args=[
+        train(args.recipe, args=[
             "--model.verifier", str(verifier_dir), "--data.path", str(bundled_text_path()),
             "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.steps),
             "--trainer.limit_val_batches", "4", "--trainer.precision", "32-true", "--model.measure_prompts", "0",
             "--run_dir", str(run), "--logger", "none"])
     prompts = load_prompts("bundled:tinyshakespeare", args.num_prompts, verifier.tokenizer, prompt_tokens=64)
     depth, topk, budget = (int(x) for x in args.dynamic_tree.split(","))
-    result = evaluate_drafter(verifier, prompts, method="eagle", drafter=load_drafter(str(run), verifier), k=args.k,
-                              dynamic_tree=(depth, topk, budget), max_new_tokens=args.max_new_tokens,
-                              chat_template=False, hf_generate=0, costs=False)
-    chain, tree = (result.results[name] for name in (f"chain-{args.k}", f"dynamic-{depth}x{topk}-{budget}"))
+    drafter = load_drafter(str(run), verifier)
+    drafter_family = family_of(drafter)
+    grows = evaluator_of(drafter_family).dynamic_trees  # else chains only: its tree columns are None
+    result = evaluate_drafter(verifier, prompts, method=drafter_family.name, drafter=drafter, k=args.k,
+                              dynamic_tree=(depth, topk, budget) if grows else None,
+                              max_new_tokens=args.max_new_tokens, chat_template=False, hf_generate=0, costs=False)
+    chain = result.results[f"chain-{args.k}"]
+    tree = result.results[f"dynamic-{depth}x{topk}-{budget}"] if grows else {"tau": None, "identical_to_ar": None}
     row = {"family": family, "decoder": result.decoder, "logits_path": path, "logits_max_abs_diff": diff,
            "verifier_parameters": info["parameters"], "verifier_val_cross_entropy": info["val_cross_entropy"],
-           "eagle1_steps": args.steps, "tau_chain": chain["tau"], "tau_tree": tree["tau"],
+           "recipe": args.recipe, "drafter_steps": args.steps, "tau_chain": chain["tau"], "tau_tree": tree["tau"],
            "chain_identical": chain["identical_to_ar"], "tree_identical": tree["identical_to_ar"],
            "ar_tokens_per_second": result.results["ar"]["tokens_per_second"], "seconds": time.time() - t0}
     log(f"{family}: decoder {row['decoder']}, logits diff {diff:.2e}, tau chain {chain['tau']:.3f} / tree "
-        f"{tree['tau']:.3f}, identical {row['chain_identical']} / {row['tree_identical']}")
+        f"{'-' if tree['tau'] is None else format(tree['tau'], '.3f')}, identical {row['chain_identical']} / "
+        f"{row['tree_identical']}")
     return row
 
 
@@ -126,7 +135,7 @@ def run(args: argparse.Namespace, command: str):
     table = format_table(["family", "decoder", "logits |diff|", "tau chain", "tau tree", "chain = AR", "tree = AR"],
                          [[r["family"], r["decoder"], f"{r['logits_max_abs_diff']:.1e}", r["tau_chain"], r["tau_tree"],
                            r["chain_identical"], r["tree_identical"]] for r in rows],
-                         title=f"verifier families, fp32 on the CPU: EAGLE-1 after {args.steps} steps, chain "
+                         title=f"verifier families, fp32 on the CPU: {args.recipe} after {args.steps} steps, chain "
                                f"{args.k} and dynamic tree {args.dynamic_tree}, {args.num_prompts} held-out prompts")
     return finish(summary, args.out, tables=[table])
 

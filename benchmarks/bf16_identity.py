@@ -1,8 +1,8 @@
 """bf16 lossless check, old vs new in one run: speculative vs AR outputs with batch-invariant decoding off (the
 old loop) and on (the default in bf16 on a CPU), the divergences measured where they happen (benchmark, not a test).
 
-For each mode, one :func:`evaluate_drafter` call on the same prompts: AR, a chain and an EAGLE-2 dynamic tree of
-the given drafter. Per setting: turns identical to AR, and at every divergence both paths' own logits (the
+For each mode, one :func:`evaluate_drafter` call on the same prompts: AR, a chain and (where its family grows
+one) a dynamic tree of the given drafter, of any family. Per setting: turns identical to AR, and at every divergence both paths' own logits (the
 verify pass's and the AR step's top-2 margins, each token's logit in the other path, the flip) beside the
 spread of the two paths' margins at the positions before it; tokens/s of AR and of each setting, measured in the
 same call::
@@ -24,8 +24,10 @@ import torch
 
 from spectrain.eval.cli import divergence_line, dynamic_tree
 from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+from spectrain.eval.families import evaluator_of
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import run_command
+from spectrain.heads.families import family_of
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
 
@@ -38,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", required=True, help="MT-bench-style jsonl ({'turns': [...], 'category': ...})")
     p.add_argument("--num_prompts", type=int, default=16)
     p.add_argument("--k", type=int, default=5)
-    p.add_argument("--dynamic_tree", default="6,8,64")
+    p.add_argument("--drafter_format", default=None, help="the serving format --drafter is in, where several claim it")
+    p.add_argument("--dynamic_tree", default="6,8,64", help="depth,topk,nodes (a family that grows dynamic trees)")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--out", default="runs/bench/bf16_identity.json")
     return p.parse_args(argv)
@@ -52,11 +55,13 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace, command: str):
     verifier = load_verifier(args.verifier, dtype=torch.bfloat16)
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, first_turns=True, spread=True)
-    drafter = load_drafter(args.drafter, verifier, "eagle")
+    drafter = load_drafter(args.drafter, verifier, fmt=args.drafter_format)
+    family = family_of(drafter)
+    tree = dynamic_tree(args.dynamic_tree) if evaluator_of(family).dynamic_trees else None  # else the chain alone
     modes, rows, lines = {}, [], []
     for name, invariant in (("old: batch_invariant off", False), ("new: batch_invariant on", True)):
-        result = evaluate_drafter(verifier, prompts, method="eagle", drafter=drafter, k=args.k,
-                                  dynamic_tree=dynamic_tree(args.dynamic_tree), max_new_tokens=args.max_new_tokens,
+        result = evaluate_drafter(verifier, prompts, method=family.name, drafter=drafter, k=args.k,
+                                  dynamic_tree=tree, max_new_tokens=args.max_new_tokens,
                                   hf_generate=0, costs=False, batch_invariant=invariant)
         modes[name] = {"batch_invariant": invariant, "results": result.results}
         for setting, r in result.results.items():

@@ -37,6 +37,7 @@ from spectrain.eval.cli import dynamic_tree, named_values
 from spectrain.eval.decode_dtype import cpu_line, cpu_record, decode_dtype
 from spectrain.eval.evaluate import evaluate_drafter, in_loop_costs, load_drafter, summarize
 from spectrain.eval.prompts import load_prompts
+from spectrain.eval.results import drafter_formats
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.eval.families import check_chain_depth, check_confidence, evaluator_of
 from spectrain.heads.families import family_of
@@ -49,11 +50,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", default="bundled:smollm2")
     p.add_argument("--drafter", action="append", required=True, metavar="NAME=PATH",
-                   help="a drafter of any registered family (Medusa, EAGLE-1, DFlash; repeat)")
+                   help="a drafter of any registered family (repeat)")
+    p.add_argument("--drafter_format", action="append", default=[], metavar="NAME=FORMAT",
+                   help="the serving format of --drafter NAME's directory, where several formats claim it")
     p.add_argument("--prompts", required=True, help="MT-bench-style jsonl ({'turns': [...], 'category': ...})")
     p.add_argument("--num_prompts", type=int, default=16)
     p.add_argument("--draft_vocabs", default="0,16384,8192,4096",
-                   help="draft vocabulary sizes (0 = full; an EAGLE-3 drafter always drafts over its own)")
+                   help="draft vocabulary sizes (0 = full; a drafter trained with a draft vocabulary of its own "
+                        "always drafts over that)")
     p.add_argument("--hybrid", action="append", default=[], metavar="NAME=N[,N...]",
                    help="also prompt lookup + drafter NAME at these draft vocabularies")
     p.add_argument("--lookups", default="0", metavar="L[,L...]",
@@ -65,8 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "adds a chain row of its own")
     p.add_argument("--min_confidence", action="append", default=[], metavar="NAME=P[,P...]",
                    help="also NAME's chain cut per round by its confidence head at each P (rows 'NAME-confP')")
-    p.add_argument("--dynamic_tree", default="6,8,64", help="EAGLE's tree")
-    p.add_argument("--medusa_tree", default="auto:64", help="Medusa's tree")
+    p.add_argument("--dynamic_tree", default="6,8,64",
+                   help="the tree of a family that grows dynamic trees: depth,topk,nodes")
+    p.add_argument("--rank_tree", "--medusa_tree", dest="rank_tree", default="auto:64",
+                   help="the tree of a family that builds trees from rank accuracies: auto:N (--medusa_tree: the "
+                        "same, as the recorded commands spell it)")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--ar_each", type=lambda v: {"true": True, "false": False}[v.lower()], default=True,
                    metavar="true|false", help="decode AR again before every drafter call (its speedups' reference)")
@@ -205,6 +212,7 @@ def run(args: argparse.Namespace, command: str):
     hybrids = {name: sizes(v, "--hybrid") for name, v in named_values(args.hybrid, "--hybrid").items()}
     confidences = {name: confidence_levels(v)
                    for name, v in named_values(args.min_confidence, "--min_confidence").items()}
+    formats = drafter_formats(args.drafter_format, paths)  # every drafter's format settled before any decoding
     lookups = sizes(args.lookups, "--lookups")
     chains = {name: chain_lengths(v) for name, v in named_values(args.k_of, "--k_of").items()}
     for flag, names in (("--hybrid", hybrids), ("--min_confidence", confidences), ("--k_of", chains)):
@@ -218,15 +226,16 @@ def run(args: argparse.Namespace, command: str):
     warm = evaluate_drafter(verifier, prompts[:2], method="none", max_new_tokens=16, hf_generate=0)  # untimed
     jobs = []  # (label, drafter path, evaluate_drafter keywords)
     for name, path in paths.items():
-        drafter = load_drafter(path, verifier)
+        drafter = load_drafter(path, verifier, fmt=formats.get(name))
         method = family_of(drafter).name
         evaluator = evaluator_of(family_of(drafter))
         lengths = chains.get(name, [args.k])
         check_chain_depth(name, drafter, max(lengths))  # before anything is decoded
-        tree = (dict(tree=args.medusa_tree) if evaluator.rank_trees else
+        tree = (dict(tree=args.rank_tree) if evaluator.rank_trees else
                 dict(dynamic_tree=dynamic_tree(args.dynamic_tree)) if evaluator.dynamic_trees else {})  # else chains
-        eagle3 = getattr(drafter, "is_eagle3", False)  # drafts over its own draft vocabulary: no --draft_vocabs
-        own, hybrid_vocabs = (([None], [None] if hybrids.get(name) else []) if eagle3 else
+        # a drafter trained with its own draft vocabulary drafts over it: no --draft_vocabs
+        fixed = evaluator.fixed_draft_vocab(drafter, None) is not None
+        own, hybrid_vocabs = (([None], [None] if hybrids.get(name) else []) if fixed else
                               (vocabs, hybrids.get(name, [])))
         k = lengths[0]
         for how, n, lookup in [(method, n, 0) for n in own] + [("hybrid", n, lookup) for n in hybrid_vocabs
@@ -260,7 +269,8 @@ def run(args: argparse.Namespace, command: str):
                                     f"{r['identical_turns']}/{r['divergences']['turns']}"))
         ar_end = evaluate_drafter(verifier, prompts, method="none", **common).results["ar"]
     summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "verifier": args.verifier,
-               "drafters": paths, "prompts": args.prompts, "num_prompts": len(prompts),
+               "drafters": paths, **({"drafter_formats": formats} if formats else {}), "prompts": args.prompts,
+               "num_prompts": len(prompts),
                "ar_each": args.ar_each and not args.interleave, "interleave": args.interleave,
                "max_new_tokens": args.max_new_tokens, "dtype": str(dtype).removeprefix("torch."),
                "dtype_choice": dtype_choice, "repeats": args.repeats, "cpu": cpu_record(), "device": "cpu",

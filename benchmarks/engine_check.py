@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from spectrain.eval.families import check_chain_depth
 from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError, run_command
@@ -87,18 +88,20 @@ def first_turns(path: str, n: int, out: Path, tokenizer) -> list[list[str]]:
 
 def our_tau(args, verifier, method: str, drafter_dir: Path, prompts: list[list[str]], out: Path, k: int) -> dict:
     """τ of a chain of ``k`` by our evaluator (fp32, T = 0, the chat template where the tokenizer has one — the
-    prompt ids vLLM gets are these —, the full draft vocabulary as the engine
-    drafts: EAGLE-3 over its own), cached in ``out/eval.json``."""
+    prompt ids vLLM gets are these —, the full draft vocabulary as the engine drafts, or the drafter's own where
+    its family's evaluator says it was trained with one), cached in ``out/eval.json``."""
     from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+    from spectrain.eval.families import evaluator_of
 
-    kind = family_for_method(method).name
-    draft_vocab = None if method == "eagle3" else 0
+    family = family_for_method(method)
+    kind = family.name
+    drafter = load_drafter(str(drafter_dir), verifier, kind, allow_mismatch=True)
+    draft_vocab = None if evaluator_of(family).fixed_draft_vocab(drafter, None) is not None else 0
     key = {"drafter": str(drafter_dir), "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
            "k": k, "draft_head": "own" if draft_vocab is None else "full"}  # (the result's draft_vocab is the N)
     cached = out / "eval.json"
     summary = json.loads(cached.read_text()) if cached.is_file() else None
     if not (summary and all(summary.get(key_) == v for key_, v in key.items())):  # else: resume, reuse this row
-        drafter = load_drafter(str(drafter_dir), verifier, kind, allow_mismatch=True)
         result = evaluate_drafter(verifier, prompts, method=kind, drafter=drafter, k=k,
                                   hf_generate=0, max_new_tokens=args.max_new_tokens, draft_vocab=draft_vocab)
         summary = {**key, **result.to_dict()}
@@ -333,9 +336,8 @@ def run(args, command: str = "") -> Path:
         method = method_of(drafter)
         if method not in ENGINE_FORMAT:
             raise SpectrainError(f"{name}: no vLLM layout for method {method!r}")
-        if method == "medusa" and drafter.config.num_heads < args.k:
-            raise SpectrainError(f"{name}: {drafter.config.num_heads} Medusa heads cannot draft a chain of {args.k}")
         k = drafter.config.drafts if method in BLOCK_METHODS else args.k
+        check_chain_depth(name, drafter, k)  # a head count below --k: refused before anything is served
         exported = export(name, drafter, method)
         info = {"source": str(path)}
         if method in BLOCK_METHODS:  # what the engine must resolve from the export: the drafter's own fields

@@ -1,11 +1,14 @@
-"""GPU training check: Medusa, EAGLE-1 and EAGLE-3 trained a few hundred bf16-mixed steps each on one GPU, and
-Medusa under the ``fsdp_drafter`` strategy on one device; tokens/s and MFU against the GPU's bf16 peak; exits 1
-when any run fails.
+"""GPU training check: the drafter of every bundled default recipe (``configs/*_tinyshakespeare.yaml``: one per
+drafter family and variant) trained a few hundred bf16-mixed steps on one GPU, and one recipe's (``--fsdp_recipe``)
+under the ``fsdp_drafter`` strategy on one device; tokens/s and MFU against the GPU's bf16 peak; exits 1 when any
+run fails.
 
 Needs torch, transformers, lightning, safetensors and this package (``pip install --no-deps``) — not
-``datasets``, ``wandb`` or ``jsonargparse``, which a bare GPU image may lack: it drives the same LightningModules
-that ``train_medusa`` / ``train_eagle`` build, with a plain ``lightning.Trainer`` (bf16-mixed, fused AdamW,
-gradient clipping, validation with measured tau), on token blocks of the bundled tinyshakespeare text and a
+``datasets``, ``wandb`` or ``jsonargparse``, which a bare GPU image may lack: it builds each recipe's
+LightningModule (its ``class_path`` with its ``init_args``, the verifier, learning-rate warm-up and measured-τ
+settings of this check over them) as ``spectrain-train --config RECIPE`` would, and fits it with a plain
+``lightning.Trainer`` (bf16-mixed, fused AdamW, gradient clipping, validation with measured tau) on token blocks
+of the bundled tinyshakespeare text — the module's own ``setup`` sees them as a data module's training set — and a
 randomly initialised GQA Llama verifier built here (no downloads):
 
     python benchmarks/gpu_train_check.py [--steps 300] [--out runs/gpu_train_check]
@@ -74,20 +77,35 @@ def token_blocks(verifier_dir: Path, size: str) -> tuple[list[dict], list[dict]]
     return rows[0], rows[1]
 
 
-def build_module(method: str, verifier_dir: Path, train_rows: list[dict], size: str, strategy: str = "auto"):
-    from spectrain.train.eagle import EagleModule
-    from spectrain.train.medusa import MedusaModule
+def bundled_recipes() -> list[str]:
+    """The bundled default recipes, one per drafter family and variant (``configs/*_tinyshakespeare.yaml``)."""
+    from importlib.resources import files
 
-    common = {"verifier": str(verifier_dir), "lr": 1e-3, "warmup_steps": 20, "measure_prompts": 4,
-              "measure_new_tokens": 32,
-              "verifier_device": "cpu" if "fsdp" in strategy else "auto"}  # as the CLIs set it: FSDP shards from the host
-    if method.startswith("medusa"):
-        return MedusaModule(num_heads=4, **common)
-    if method == "eagle1":
-        return EagleModule(variant="eagle1", **common)
-    module = EagleModule(variant="eagle3", draft_vocab_size=SIZES[size][5] // 4, ttt_steps=3, **common)
-    module.set_vocab_from(train_rows[:512])  # what the data module's setup does in train_eagle
-    return module
+    return sorted(p.name for p in files("spectrain.configs").iterdir() if p.name.endswith("_tinyshakespeare.yaml"))
+
+
+def run_name(recipe: str) -> str:
+    """``eagle3_tinyshakespeare.yaml`` -> ``eagle3``: a run's name in the table and the JSON."""
+    return recipe.split("_")[0]
+
+
+def build_module(recipe: str, verifier_dir: Path, size: str, strategy: str = "auto"):
+    """The recipe's LightningModule for the verifier built here: its ``init_args``, with this check's verifier,
+    learning-rate warm-up and measured-τ settings over them (a fixed draft vocabulary: a quarter of the verifier's)."""
+    import importlib
+    from importlib.resources import files
+
+    import yaml
+
+    model = yaml.safe_load(files("spectrain.configs").joinpath(recipe).read_text())["model"]
+    module_path, _, name = model["class_path"].rpartition(".")
+    init_args = {**model.get("init_args", {}), "verifier": str(verifier_dir), "lr": 1e-3, "warmup_steps": 20,
+                 "measure_prompts": 4, "measure_new_tokens": 32,
+                 "verifier_device": "cpu" if "fsdp" in strategy else "auto"}  # as the CLIs set it: FSDP shards
+    # from the host
+    if "draft_vocab_size" in init_args:  # the recipe's default is sized for a real vocabulary
+        init_args["draft_vocab_size"] = SIZES[size][5] // 4
+    return getattr(importlib.import_module(module_path), name)(**init_args)
 
 
 def flops_per_token(module, batch: dict) -> float:
@@ -103,29 +121,50 @@ def flops_per_token(module, batch: dict) -> float:
     return counter.get_total_flops() / batch["input_ids"].numel()
 
 
-def train_one(method: str, strategy: str, verifier_dir: Path, rows: tuple[list[dict], list[dict]], args) -> dict:
+def blocks_module(rows: tuple[list[dict], list[dict]], batch_size: int, device: torch.device):
+    """The token blocks as a data module (``train_set``, ``vocab_rows``, loaders): what a recipe's module reads in
+    its ``setup`` (a fixed draft vocabulary, counted over the training rows) it reads here as from the CLIs' data."""
     import lightning as L
     from torch.utils.data import DataLoader
+
+    class Blocks(L.LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.train_set, self.val_set = rows[0], rows[1][:8 * batch_size]
+
+        def vocab_rows(self):
+            return self.train_set[:512]
+
+        def train_dataloader(self):
+            return DataLoader(self.train_set, batch_size=batch_size, shuffle=True, drop_last=True,
+                              generator=torch.Generator().manual_seed(0), pin_memory=device.type == "cuda")
+
+        def val_dataloader(self):
+            return DataLoader(self.val_set, batch_size=batch_size)
+
+    return Blocks()
+
+
+def train_one(recipe: str, strategy: str, verifier_dir: Path, rows: tuple[list[dict], list[dict]], args) -> dict:
+    import lightning as L
 
     from spectrain.train.strategies import register_strategies
 
     register_strategies()
-    train_rows, val_rows = rows
+    method = run_name(recipe) + ("-fsdp" if "fsdp" in strategy else "")
+    train_rows, _ = rows
     batch_size = SIZES[args.size][7]
     device = torch.device(args.device)
-    module = build_module(method, verifier_dir, train_rows, args.size, strategy)
+    module = build_module(recipe, verifier_dir, args.size, strategy)
     probe = {k: torch.stack([r[k] for r in train_rows[:batch_size]]).to(device) for k in train_rows[0]}
     module.to(device)
     flops = flops_per_token(module, probe)
-    loader = DataLoader(train_rows, batch_size=batch_size, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(0), pin_memory=device.type == "cuda")
-    val_loader = DataLoader(val_rows[:8 * batch_size], batch_size=batch_size)
     trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=strategy,
                         precision="bf16-mixed", max_steps=args.steps, val_check_interval=args.steps,
                         limit_val_batches=4, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     t0 = time.perf_counter()
-    trainer.fit(module, loader, val_loader)
+    trainer.fit(module, datamodule=blocks_module(rows, batch_size, device))
     wall = time.perf_counter() - t0
     losses = [float(v) for k, v in trainer.callback_metrics.items() if k == "train/loss"]
     tokens_per_second = module.trained_tokens / max(module.train_seconds, 1e-9)
@@ -135,7 +174,7 @@ def train_one(method: str, strategy: str, verifier_dir: Path, rows: tuple[list[d
         raise SpectrainError(f"{method}: {trainer.global_step} of {args.steps} steps, loss {losses}, "
                              f"{module.trained_tokens} tokens")
     drafter = module.plain_drafter()  # the gathered weights the export would write
-    return {"method": method, "strategy": strategy, "steps": trainer.global_step, "trained_tokens":
+    return {"method": method, "recipe": recipe, "strategy": strategy, "steps": trainer.global_step, "trained_tokens":
             module.trained_tokens, "train_seconds": module.train_seconds, "wall_seconds": wall,
             "tokens_per_second": tokens_per_second, "flops_per_token": flops,
             "tflops": tokens_per_second * flops / 1e12, "final_loss": losses[-1],
@@ -158,18 +197,22 @@ def check(args) -> Path:
     out = Path(args.out)
     verifier_dir = build_verifier(out / "verifier", args.size)
     rows = token_blocks(verifier_dir, args.size)
-    runs = [("medusa", "auto"), ("eagle1", "auto"), ("eagle3", "auto")]
+    recipes = bundled_recipes()
+    if args.fsdp_recipe not in recipes:
+        raise SpectrainError(f"--fsdp_recipe {args.fsdp_recipe}: not a bundled recipe ({', '.join(recipes)})")
+    runs = [(recipe, "auto") for recipe in recipes]
     if args.device.startswith("cuda"):
-        runs.append(("medusa-fsdp", "fsdp_drafter"))  # Lightning's FSDP needs CUDA
+        runs.append((args.fsdp_recipe, "fsdp_drafter"))  # Lightning's FSDP needs CUDA
     peak = peak_tflops(args)
     results = []
-    for method, strategy in runs:
+    for recipe, strategy in runs:
+        method = run_name(recipe) + ("-fsdp" if "fsdp" in strategy else "")
         try:
-            result = train_one(method, strategy, verifier_dir, rows, args)
+            result = train_one(recipe, strategy, verifier_dir, rows, args)
             result["mfu"] = None if peak is None else result["tflops"] / peak
             result["ok"] = True
         except Exception as e:  # noqa: BLE001 - every run is reported; the exit code says whether all passed
-            result = {"method": method, "strategy": strategy, "ok": False,
+            result = {"method": method, "recipe": recipe, "strategy": strategy, "ok": False,
                       "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
         results.append(result)
         print(f"gpu_train_check: {method} ({strategy}): {'ok' if result['ok'] else result['error']}", flush=True)
@@ -202,6 +245,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--small", dest="size", action="store_const", const="small", default="full",
                    help="tiny verifier and blocks: the same path in seconds")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--fsdp_recipe", default="medusa_tinyshakespeare.yaml",
+                   help="the recipe also trained under the fsdp_drafter strategy (CUDA only)")
     p.add_argument("--peak_tflops", type=float, default=None, help="the device's dense bf16 peak (default: by name)")
     p.add_argument("--out", default="runs/gpu_train_check")
     return p.parse_args(argv)

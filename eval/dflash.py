@@ -249,6 +249,7 @@ def _dflash_drafter(drafter, model, tree, *, dynamic=None, vocab=None, min_confi
 
 
 DFLASH = FamilyEvaluator(build=_dflash_drafter, static_trees=False, dynamic_trees=True,
+                         dynamic_tree_name="EAGLE-2 dynamic",  # the tree EAGLE-2 grows, over the block's slots
                          confidence=lambda drafter: drafter.config.confidence_head,
                          confidence_hint="DSpark's: train a dflash drafter with --model.confidence_head true",
                          max_depth=lambda drafter: drafter.config.drafts,

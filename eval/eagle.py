@@ -240,7 +240,9 @@ def _eagle_drafter(drafter, model, tree, *, dynamic=None, vocab=None) -> Drafter
     return EagleTreeDrafter(drafter, model, tree=tree, vocab=vocab)
 
 
-EAGLE = FamilyEvaluator(build=_eagle_drafter, dynamic_trees=True, fixed_draft_vocab=trained_draft_vocab,
+EAGLE = FamilyEvaluator(build=_eagle_drafter, dynamic_trees=True,
+                        dynamic_tree_name="EAGLE-2 dynamic",  # EAGLE-2's tree (Li et al., 2024)
+                        fixed_draft_vocab=trained_draft_vocab,
                         capture=lambda d: tuple(d.config.aux_layer_ids or ()) if d.is_eagle3 else (),
                         published=tuple({"method": method, "tau": tau, "verifier": verifier, "bench": "MT-bench",
                                          "drafting": "~60-node dynamic tree"}

@@ -35,6 +35,7 @@ class FamilyEvaluator:
             vocabulary, or None for the drafter's own head.
         static_trees: it drafts static rank-path trees (else chains only).
         dynamic_trees: it grows dynamic trees (``--dynamic_tree``; the results table's tree rows).
+        dynamic_tree_name: how the results table's rows name the dynamic tree it grows (their ``tree``).
         calibrate: ``calibrate(learned, runner, sequences, starts, *, temperature, decoding) -> dict`` for a
             drafter whose heads draft every depth at once by rank: its rank accuracies measured teacher-forced on
             AR's outputs (``"rank_accuracy"`` (depth, rank), beside whatever else it measures), so ``--tree auto:N``
@@ -58,6 +59,7 @@ class FamilyEvaluator:
     build: Callable[..., Drafter]
     static_trees: bool = True
     dynamic_trees: bool = False
+    dynamic_tree_name: str = "dynamic"
     calibrate: Callable[..., dict] | None = None
     max_depth: Callable[[Any], int | None] = _unbounded
     capture: Callable[[Any], tuple[int, ...]] = lambda learned: ()

@@ -285,7 +285,7 @@ def row_options(ctx: Context, row: dict, path: str) -> tuple[dict, dict]:
         options.update(k=0, lookup=reserve)
         if evaluator.dynamic_trees:  # a dynamic tree with the node budget
             options["dynamic_tree"] = (args.tree_depth, args.tree_topk, args.tree_nodes)
-            definition = {"tree": "EAGLE-2 dynamic", "nodes": args.tree_nodes, "depth": args.tree_depth,
+            definition = {"tree": evaluator.dynamic_tree_name, "nodes": args.tree_nodes, "depth": args.tree_depth,
                           "topk": args.tree_topk}
         else:  # rank trees: the most likely rank paths from the heads' rank accuracies on this set
             options["tree"] = f"auto:{args.tree_nodes - reserve}"

@@ -27,8 +27,8 @@ from .families import GGUF_FORMAT, OUR_FORMAT, families, family_of, resolve
 from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, input_format,
                       method_of, weights_file)
 from .io import read_json
-from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, convert_verifier, gguf_exports, gguf_tensors, listed,
-                        tokenizer_metadata, write_verifier_gguf)
+from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, convert_verifier, gguf_export_of, gguf_exports,
+                        gguf_tensors, listed, tokenizer_metadata, write_draft_gguf, write_verifier_gguf)
 from .report import finish, format_table
 from .verifier import load_verifier, load_verifier_signature, resolve_dtype, smollm2_gguf, verifier_identity
 from .vocab import load_ranking
@@ -99,21 +99,13 @@ def gguf_target(drafter, args) -> Path:
     target = Path(args.target_gguf) if args.target_gguf else target_gguf_for(
         drafter.config.verifier, args.verifier_gguf_file)
     tokenizer_metadata(target)
-    resolve(_gguf_export(drafter).check_target)(drafter, target)
+    resolve(gguf_export_of(drafter).check_target)(drafter, target)
     return target
-
-
-def _gguf_export(drafter):
-    """The drafter family's GGUF writer (``check_gguf_exportable`` has refused a drafter llama.cpp cannot serve)."""
-    family = family_of(drafter)
-    if family.gguf is None:
-        raise SpectrainError(f"--format gguf: the {family.label} family writes no llama.cpp file")
-    return resolve(family.gguf)
 
 
 def _export_gguf(drafter, args, out: Path, target: Path) -> dict:
     dtype = args.dtype or "float32"
-    serve = resolve(_gguf_export(drafter).write)(drafter, out, target, dtype, args.force, args.verifier_name or "")
+    serve = write_draft_gguf(drafter, out, target, dtype, args.force, args.verifier_name or "")
     tensors = gguf_tensors(out)  # the writer validated it before the rename
     return {"format": GGUF, "engine": gguf_description(), "path": str(out.resolve()), "tensors": len(tensors),
             "bytes": out.stat().st_size, "notes": [f"{GGUF}: serve with llama-server -m {target} -md {out} {serve}"],

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .errors import SpectrainError
-from .families import GgufExport, families, family_of, resolve
+from .families import GgufExport, families, family_for_method, family_of, resolve
 from .io import atomic_path
 
 GGUF_DTYPES = ("float32", "float16", "bfloat16")
@@ -70,6 +70,35 @@ def check_gguf_exportable(drafter) -> None:
     check = resolve(family.gguf).check_exportable
     if check is not None:
         resolve(check)(drafter)
+
+
+def gguf_export_of(drafter) -> GgufExport:
+    """The drafter family's :class:`~.families.GgufExport`; raises, naming the drafters llama.cpp takes, when its
+    family writes no llama.cpp file or the family's ``check_exportable`` refuses this drafter."""
+    check_gguf_exportable(drafter)
+    return resolve(family_of(drafter).gguf)
+
+
+def spec_type_of(method: str) -> str | None:
+    """The ``llama-server --spec-type`` that serves a drafter recording ``method`` (its family's
+    :class:`~.families.GgufExport` names one per drafter label), or None when its family writes no llama.cpp
+    file."""
+    family = family_for_method(method)
+    if family.gguf is None:
+        return None
+    export = resolve(family.gguf)
+    label = family.method_labels[family.methods.index(method)]
+    return export.spec_types[export.drafters.index(label)] if label in export.drafters else None
+
+
+def write_draft_gguf(drafter, out: str | Path, target_gguf: str | Path, dtype: str = "float32", force: bool = False,
+                     verifier_name: str = "") -> str:
+    """Write ``drafter`` as the llama.cpp file its family writes (what ``spectrain-export --format gguf`` writes):
+    the drafter and the target GGUF are checked first, the file is validated before its rename. Returns the
+    ``llama-server`` flags that serve it (``"--spec-type draft-NAME ..."``)."""
+    export = gguf_export_of(drafter)
+    resolve(export.check_target)(drafter, Path(target_gguf))
+    return resolve(export.write)(drafter, Path(out), Path(target_gguf), dtype, force, verifier_name)
 
 
 def write_gguf(out_path: str | Path, arch: str, fill: Callable, check: Callable | None = None,

@@ -454,13 +454,15 @@ def test_a_training_step_waits_on_the_device_once(method, verifier_factory):
 
 def test_gpu_train_check_cpu_path(tmp_path):
     """The prepared GPU training check runs its whole path on the CPU with tiny sizes: every method trains its
-    steps in bf16-mixed with clipping, counts its tokens and FLOPs, and the JSON says it passed."""
+    steps in bf16-mixed with clipping, counts its tokens and FLOPs, and the JSON says it passed. The runs are the
+    bundled recipes' modules, built from each recipe's class_path (no family named in the script)."""
     from tests.scripts import load_script
 
     check = load_script("gpu_train_check")
     path = check.check(check.parse_args(["--small", "--device", "cpu", "--steps", "4", "--out", str(tmp_path)]))
     summary = json.loads(path.read_text())
-    assert summary["passed"] and [r["method"] for r in summary["runs"]] == ["medusa", "eagle1", "eagle3"]
+    assert summary["passed"] and [r["method"] for r in summary["runs"]] == ["dflash", "eagle1", "eagle3", "medusa"]
+    assert [r["recipe"] for r in summary["runs"]] == check.bundled_recipes()  # every bundled recipe, from configs/
     for run in summary["runs"]:
         assert run["steps"] == 4 and run["trained_tokens"] == 4 * 4 * 32 and run["flops_per_token"] > 0
         assert run["tau_measured"] is not None

@@ -306,3 +306,36 @@ def test_a_draft_model_is_loaded_once_per_job(setup, tmp_path, monkeypatch, veri
     assert chain["alpha"] == [1.0] * k
     # The dynamic tree always holds the draft model's top token at depth 1, which the verifier's greedy is.
     assert all(a >= 1 for r in summary["per_prompt"]["dynamic-2x2-4"] for t in r["turns"] for a in t["accept_lengths"])
+
+
+def test_draft_heads_asks_each_drafters_family_for_its_trees_and_vocabulary(setup, tmp_path, capsys):
+    """benchmarks/draft_heads.py: the tree and the draft vocabularies come from each drafter's family evaluator
+    (rank trees and --draft_vocabs for Medusa; a dynamic tree and only its own trained draft vocabulary for
+    EAGLE-3), the recorded --medusa_tree spelling still parses, and --drafter_format names no other drafter."""
+    import torch
+
+    from spectrain.heads.eagle import EagleDrafter, build_vocab_map
+    from tests.scripts import load_script
+
+    root, verifier_dir, prompts = setup
+    model = load_verifier(str(verifier_dir)).model
+    eagle3 = EagleDrafter.for_verifier(model, "eagle3", draft_vocab_size=16, verifier_name=str(verifier_dir))
+    eagle3.set_vocab_map(*build_vocab_map(torch.arange(model.config.vocab_size), 16))
+    eagle3.save_pretrained(tmp_path / "eagle3")
+    heads = load_script("draft_heads")
+    argv = ["--verifier", str(verifier_dir), "--prompts", str(prompts), "--num_prompts", "2", "--max_new_tokens", "6",
+            "--drafter", f"medusa={root / 'heads'}", "--drafter", f"e3={tmp_path / 'eagle3'}", "--k", "2",
+            "--draft_vocabs", "0", "--dynamic_tree", "2,2,4", "--medusa_tree", "auto:4", "--dtype", "float32",
+            "--out", str(tmp_path / "dh.json")]
+    heads.main(argv)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str((tmp_path / "dh.json").resolve())
+    rows = json.loads((tmp_path / "dh.json").read_text())["rows"]
+    got = {(r["drafter"], r["draft_vocab"], r["setting"].split("-")[0]) for r in rows}
+    assert {(d, s) for d, _, s in got} == {("medusa", "chain"), ("medusa", "tree"), ("e3", "chain"),
+                                           ("e3", "dynamic")}
+    # EAGLE-3: its trained draft vocabulary (asked for --draft_vocabs' full head, it would be refused)
+    assert {v for d, v, _ in got if d == "e3"} == {16}
+    assert {v for d, v, _ in got if d == "medusa"} == {model.config.vocab_size}  # --draft_vocabs 0: the full head
+    with pytest.raises(SystemExit) as exit_:
+        heads.main([*argv, "--drafter_format", "other=eagle"])
+    assert exit_.value.code == 2 and "no --drafter of that name" in capsys.readouterr().err

@@ -560,17 +560,65 @@ def test_speed_summary_pools_each_repeat_against_plain():
 
 def test_draft_modes_parse_and_name_their_settings():
     speed = load_script("llama_cpp_speed")
-    m = speed.parse_draft_mode("k4:q8_0:p0.6:t1")
+    m = speed.parse_draft_mode("k4:q8_0:p0.6:t1", "eagle3")
     assert (m.k, m.dtype, m.p_min, m.threads, m.name) == (4, "q8_0", 0.6, 1, "eagle3-k4-q8_0-p0.6-t1")
-    assert speed.parse_draft_mode("3").name == "eagle3-k3" and speed.parse_draft_mode("k1:f16").name == "eagle3-k1-f16"
+    assert speed.parse_draft_mode("3", "eagle3").name == "eagle3-k3"
+    assert speed.parse_draft_mode("k1:f16", "dflash").name == "dflash-k1-f16"
+    tiny = speed.parse_draft_mode("k1:p0.00001", "eagle3")  # a p-min named in fixed point, read back
+    assert tiny.name == "eagle3-k1-p0.00001" and speed.mode_of(tiny.name) == tiny
     for bad in ("", "kx", "k1:q4", "k0", "k2:p1.5", "k1:t0"):
         with pytest.raises(SpectrainError, match="draft mode"):
-            speed.parse_draft_mode(bad)
+            speed.parse_draft_mode(bad, "eagle3")
+    # a result's mode names back to their settings (the recorded eagle3-* rows among them); plain and n-gram: none
+    assert speed.mode_of("eagle3-k4-q8_0-p0.6-t1") == m and speed.mode_of("dflash-k1-f16").draft == "dflash"
+    assert [speed.mode_of(x) for x in ("plain", "ngram-map-k", "ngram-simple")] == [None, None, None]
     args = speed.parse_args(["--drafter", "d", "--prompts", "p", "--draft_lengths", "1,2",
                              "--draft_modes", "k1:q8_0, k2 k1:q8_0"])
-    assert [m.name for m in speed.draft_modes(args)] == ["eagle3-k1", "eagle3-k2", "eagle3-k1-q8_0"]
-    flags = speed.modes(args, {"f32": Path("a.gguf"), "q8_0": Path("b.gguf")})
+    assert [m.name for m in speed.draft_modes(args, "eagle3")] == ["eagle3-k1", "eagle3-k2", "eagle3-k1-q8_0"]
+    flags = speed.modes(args, speed.Draft("draft-eagle3", {"f32": Path("a.gguf"), "q8_0": Path("b.gguf")}))
     assert flags["eagle3-k1-q8_0"][:2] == ["-md", "b.gguf"] and "--spec-draft-n-max" in flags["eagle3-k2"]
+    assert flags["eagle3-k2"][flags["eagle3-k2"].index("--spec-type") + 1] == "draft-eagle3"
+
+
+def test_speed_drafts_any_family_that_writes_a_llama_cpp_file(tmp_path, verifier):
+    """llama_cpp_speed.py writes the draft as the family's GGUF writer does and serves it with the family's
+    --spec-type: a DFlash run dir gives dflash-* modes of its whole block (the writer pins it) and nothing else; a
+    .gguf names its own type where its architecture says it, else --spec_type is asked for."""
+    speed = load_script("llama_cpp_speed")
+    target = tiny_target_gguf(tmp_path / "t.gguf")
+    run = tmp_path / "dflash"
+    dflash(verifier).save_pretrained(run)
+
+    def args(drafter, *extra):
+        return speed.parse_args(["--drafter", str(drafter), "--verifier", str(target), "--prompts", "p", *extra])
+
+    draft = speed.draft_files(args(run, "--draft_modes", "k3:q8_0"), tmp_path / "out")
+    assert (draft.spec_type, draft.name, draft.block, sorted(draft.files)) == (
+        "draft-dflash", "dflash", 3, ["f32", "q8_0"])
+    assert llama_cpp.read_metadata(draft.files["q8_0"])["general.architecture"].value == "dflash"
+    flags = speed.modes(args(run, "--draft_modes", "k3:q8_0"), draft)  # default lengths: the block
+    assert list(flags) == ["plain", "dflash-k3", "dflash-k3-q8_0", *speed.NGRAM_MODES]
+    assert flags["dflash-k3"][flags["dflash-k3"].index("--spec-type") + 1] == "draft-dflash"
+    for extra in (["--draft_lengths", "1,3"], ["--draft_modes", "k2:q8_0"]):  # fewer slots than trained
+        with pytest.raises(SpectrainError, match="whole block of 3 tokens"):
+            speed.draft_files(args(run, *extra), tmp_path / "refused")
+        assert not (tmp_path / "refused" / "draft-dflash-q8_0.gguf").exists()  # refused before that dtype's write
+    with pytest.raises(SpectrainError, match="draft-dflash or draft-dspark"):  # one architecture, two draft types
+        speed.draft_files(args(draft.files["f32"]), tmp_path / "out")
+    written = speed.draft_files(args(draft.files["f32"], "--spec_type", "draft-dflash", "--draft_lengths", "3"),
+                                tmp_path / "out")
+    assert written.spec_type == "draft-dflash" and written.files == {"f32": draft.files["f32"]}
+    with pytest.raises(SpectrainError, match="--spec_type draft-x: not a draft type"):
+        speed.draft_files(args(draft.files["f32"], "--spec_type", "draft-x"), tmp_path / "out")
+    eagle3_dir = tmp_path / "eagle3"
+    eagle3(verifier).save_pretrained(eagle3_dir)
+    e3 = speed.draft_files(args(eagle3_dir, "--draft_lengths", "1,2"), tmp_path / "out")
+    assert (e3.spec_type, e3.block, list(e3.files)) == ("draft-eagle3", None, ["f32"])
+    assert speed.draft_files(args(e3.files["f32"]), tmp_path / "out").spec_type == "draft-eagle3"  # by its arch
+    eagle1 = tmp_path / "eagle1"
+    EagleDrafter.for_verifier(verifier, "eagle1", verifier_name="v").save_pretrained(eagle1)
+    with pytest.raises(SpectrainError, match="^--drafter: .*EAGLE-1"):
+        speed.draft_files(args(eagle1), tmp_path / "out")
 
 
 STATS = ("0.27.852 I spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =    1    {g}    {g}, #gen drafts = "

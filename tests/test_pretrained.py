@@ -79,12 +79,23 @@ def test_shipped_drafter_decodes_exactly_the_greedy_output(path, tmp_path, capsy
     assert runs["chain-5"]["tau"] >= 1.15, runs["chain-5"]["tau"]
 
 
-GGUF_CARDS = [p for p in SHIPPED if card(p).get("gguf")]
+GGUF_CARDS = [p for p in SHIPPED if (card(p).get("gguf") or {}).get("file")]
 
 
-def test_every_eagle3_card_ships_its_gguf():
-    eagle3 = [p.name for p in SHIPPED if card(p)["method"] == "eagle3"]
-    assert eagle3 and eagle3 == [p.name for p in GGUF_CARDS]  # llama.cpp serves EAGLE-3: each ships its file
+def test_every_card_llama_cpp_serves_ships_its_gguf():
+    """A card ships its llama.cpp file exactly where its drafter's family writes one and llama.cpp serves the
+    drafter as trained (ship_drafter.py's rule); the file is the size the card says."""
+    from spectrain.heads.errors import SpectrainError
+    from spectrain.heads.llama_cpp import gguf_export_of
+
+    def served(path: Path) -> bool:
+        try:
+            gguf_export_of(import_drafter(path, fmt=card(path)["format"]))
+        except SpectrainError:
+            return False
+        return True
+
+    assert GGUF_CARDS and [p.name for p in SHIPPED if served(p)] == [p.name for p in GGUF_CARDS]
     for path in GGUF_CARDS:
         g = card(path)["gguf"]
         data = (path / g["file"]).read_bytes()
@@ -95,14 +106,16 @@ def test_every_eagle3_card_ships_its_gguf():
 @pytest.mark.parametrize("path", GGUF_CARDS, ids=lambda p: p.name)
 def test_shipped_gguf_is_what_the_export_writes_from_the_shipped_weights(path, tmp_path):
     """The shipped GGUF is no separate artefact: re-exported from the card's safetensors (tokenizer from the
-    verifier's GGUF) it is the same bytes, so what llama.cpp serves is what spectrain's loop measured."""
+    verifier's GGUF) by its family's writer it is the same bytes, so what llama.cpp serves is what spectrain's
+    loop measured."""
     import hashlib
 
-    from spectrain.heads.eagle_gguf import write_eagle3_gguf
     from spectrain.heads.export_cli import target_gguf_for
+    from spectrain.heads.llama_cpp import write_draft_gguf
 
     g = card(path)["gguf"]
-    fresh = write_eagle3_gguf(import_drafter(path), tmp_path / "fresh.gguf", target_gguf_for(card(path)["verifier"]),
-                              g["dtype"])
+    fresh = tmp_path / "fresh.gguf"
+    write_draft_gguf(import_drafter(path, fmt=card(path)["format"]), fresh, target_gguf_for(card(path)["verifier"]),
+                     g["dtype"])
     assert hashlib.sha256(fresh.read_bytes()).hexdigest() == g["sha256"] == \
         hashlib.sha256((path / g["file"]).read_bytes()).hexdigest()

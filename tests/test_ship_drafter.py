@@ -69,6 +69,54 @@ def test_llama_cpp_facts_pick_each_targets_best_median_and_this_drafters_row(tmp
     assert ship.llama_cpp_text({"method": "medusa", "name": "x", "verifier": "v"}) == ""  # llama.cpp serves none
 
 
+def test_llama_cpp_section_follows_the_drafters_family():
+    """The card's llama.cpp section comes from the drafter's family: its --spec-type and the flags its writer serves
+    the file with; a drafter llama.cpp cannot serve as trained says why; a family with no llama.cpp file: none."""
+    ship = load_script("ship_drafter")
+    gguf = {"file": "d-q8_0.gguf", "serve": "--spec-type draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0",
+            "q8_0_mb": 1.0, "sha256": "ab" * 32, "f32_mb": 4.0}
+    text = ship.llama_cpp_text({"method": "dflash", "name": "d", "verifier": "v", "gguf": gguf})
+    assert "-md pretrained/d/d-q8_0.gguf --spec-type draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0\n" in text
+    refused = ship.llama_cpp_text({"method": "dspark", "name": "d", "verifier": "v",
+                                   "gguf": {"refused": "a confidence head: pass --drop_confidence_head"}})
+    assert "Not as trained: a confidence head" in refused and "llama-server" not in refused
+    assert ship.llama_cpp_text({"method": "eagle1", "name": "x", "verifier": "v"}) == ""
+    bare = ship.llama_cpp_text({"method": "eagle3", "name": "x", "verifier": "v"})  # no file, no figures
+    assert "-md x.gguf --spec-type draft-eagle3\n" in bare
+
+
+def test_serve_line_takes_the_best_modes_p_min_or_the_runs(tmp_path):
+    """The card's serve line is the f32 target's best measured mode: its own p-min, or (a mode without one) the
+    --p_min its llama_cpp_speed run passed to every mode."""
+    ship = load_script("ship_drafter")
+    speed = {"command": "python benchmarks/llama_cpp_speed.py --drafter d --p_min 0.3",
+             "targets": {"q4_1": {"drafter": {"mode": "eagle3-k6-p0.8"}}, "f32": {"drafter": {"mode": "eagle3-k2"}}}}
+    card = {"method": "eagle3", "llama_cpp": {"speed": speed}}
+    assert ship.serve_flags(card) == "--spec-type draft-eagle3 --spec-draft-n-max 2 --spec-draft-p-min 0.3"
+    speed["command"] = "python benchmarks/llama_cpp_speed.py --drafter d"
+    assert ship.serve_flags(card).endswith("--spec-draft-n-max 2 --spec-draft-p-min 0")
+    speed["targets"]["f32"]["drafter"]["mode"] = "dflash-k3-p0.5"
+    assert ship.serve_flags(card) == "--spec-type draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0.5"
+
+
+def test_ship_gguf_follows_the_family_and_says_why_not(tmp_path):
+    """No GGUF for a family that writes none (its weights are not even read); the reason, not a file, for a drafter
+    llama.cpp cannot serve as trained (a DSpark confidence head)."""
+    from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
+
+    from .conftest import make_verifier
+
+    ship = load_script("ship_drafter")
+    assert ship.ship_gguf(tmp_path / "absent", {"method": "medusa", "format": "medusa", "name": "m"}) is None
+    drafter = DFlashDrafter(DFlashConfig.for_verifier(make_verifier("llama", False, 64, layers=4), block_size=4,
+                                                      mask_token_id=3, confidence_head=True, verifier_name="v"))
+    drafter.save_pretrained(tmp_path / "dspark")
+    facts = ship.ship_gguf(tmp_path / "dspark", {"method": drafter.config.method, "format": "spectrain",
+                                                 "name": "d", "verifier": "v"})
+    assert set(facts) == {"refused"} and "--drop_confidence_head" in facts["refused"]
+    assert not list((tmp_path / "dspark").glob("*.gguf"))
+
+
 @pytest.mark.parametrize("case", ["no card", "one of two", "no row", "other drafter"])
 def test_refresh_refuses_bad_input_with_exit_2(tmp_path, case, capsys):
     ship = load_script("ship_drafter")
