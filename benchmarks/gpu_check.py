@@ -32,7 +32,7 @@ from spectrain.data.bundled import bundled_text_path, split_text, train_tokenize
 from spectrain.data.text import tokenize_lines
 from spectrain.eval.evaluate import evaluate_drafter, load_drafter
 from spectrain.eval.prompts import load_prompts
-from spectrain.heads.families import family_of
+from spectrain.heads.families import family_of, resolve_class_path
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.schedule import cosine_with_warmup
 from spectrain.heads.verifier import load_verifier
@@ -144,7 +144,6 @@ def train_heads(verifier_dir: Path, out: Path, size: str, device, log) -> dict:
     """Medusa heads by the recipe ``configs/medusa_gpu_check.yaml``: the module ``train_medusa`` builds from it,
     on a plain Lightning Trainer with the recipe's trainer settings (a bare GPU image has no jsonargparse for the
     CLI), on token blocks of the bundled text. ``small``: the same with tiny blocks and a few steps."""
-    import importlib
     from importlib import resources
 
     import lightning as L
@@ -153,14 +152,12 @@ def train_heads(verifier_dir: Path, out: Path, size: str, device, log) -> dict:
     from transformers import AutoTokenizer
 
     recipe = yaml.safe_load((resources.files("spectrain.configs") / RECIPE).read_text())
-    module_path, _, class_name = recipe["model"]["class_path"].rpartition(".")  # the recipe's module, as the CLI
-    # builds it
     block, batch, steps = (recipe["data"]["block_size"], recipe["data"]["batch_size"], recipe["trainer"]["max_steps"])
     if size == "small":
         block, batch, steps = 64, 8, 20
     L.seed_everything(recipe["seed_everything"], verbose=False)
-    module = getattr(importlib.import_module(module_path), class_name)(**{**recipe["model"]["init_args"],
-                                                                         "verifier": str(verifier_dir)})
+    module = resolve_class_path(recipe["model"]["class_path"])(  # the recipe's module, as the CLI builds it
+        **{**recipe["model"]["init_args"], "verifier": str(verifier_dir)})
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
     train_text, val_text = split_text(bundled_text_path().read_text())
     loader = DataLoader(token_rows(tokenizer, train_text, block), batch_size=batch, shuffle=True, drop_last=True,

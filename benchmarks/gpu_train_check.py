@@ -84,28 +84,29 @@ def bundled_recipes() -> list[str]:
     return sorted(p.name for p in files("spectrain.configs").iterdir() if p.name.endswith("_tinyshakespeare.yaml"))
 
 
-def run_name(recipe: str) -> str:
-    """``eagle3_tinyshakespeare.yaml`` -> ``eagle3``: a run's name in the table and the JSON."""
-    return recipe.split("_")[0]
+def run_name(recipe: str, strategy: str) -> str:
+    """``eagle3_tinyshakespeare.yaml`` -> ``eagle3`` (``-fsdp`` under an FSDP strategy): a run's name in the table
+    and the JSON."""
+    return recipe.split("_")[0] + ("-fsdp" if "fsdp" in strategy else "")
 
 
 def build_module(recipe: str, verifier_dir: Path, size: str, strategy: str = "auto"):
     """The recipe's LightningModule for the verifier built here: its ``init_args``, with this check's verifier,
     learning-rate warm-up and measured-τ settings over them (a fixed draft vocabulary: a quarter of the verifier's)."""
-    import importlib
     from importlib.resources import files
 
     import yaml
 
+    from spectrain.heads.families import resolve_class_path
+
     model = yaml.safe_load(files("spectrain.configs").joinpath(recipe).read_text())["model"]
-    module_path, _, name = model["class_path"].rpartition(".")
     init_args = {**model.get("init_args", {}), "verifier": str(verifier_dir), "lr": 1e-3, "warmup_steps": 20,
                  "measure_prompts": 4, "measure_new_tokens": 32,
                  "verifier_device": "cpu" if "fsdp" in strategy else "auto"}  # as the CLIs set it: FSDP shards
     # from the host
     if "draft_vocab_size" in init_args:  # the recipe's default is sized for a real vocabulary
         init_args["draft_vocab_size"] = SIZES[size][5] // 4
-    return getattr(importlib.import_module(module_path), name)(**init_args)
+    return resolve_class_path(model["class_path"])(**init_args)
 
 
 def flops_per_token(module, batch: dict) -> float:
@@ -151,7 +152,7 @@ def train_one(recipe: str, strategy: str, verifier_dir: Path, rows: tuple[list[d
     from spectrain.train.strategies import register_strategies
 
     register_strategies()
-    method = run_name(recipe) + ("-fsdp" if "fsdp" in strategy else "")
+    method = run_name(recipe, strategy)
     train_rows, _ = rows
     batch_size = SIZES[args.size][7]
     device = torch.device(args.device)
@@ -206,7 +207,7 @@ def check(args) -> Path:
     peak = peak_tflops(args)
     results = []
     for recipe, strategy in runs:
-        method = run_name(recipe) + ("-fsdp" if "fsdp" in strategy else "")
+        method = run_name(recipe, strategy)
         try:
             result = train_one(recipe, strategy, verifier_dir, rows, args)
             result["mfu"] = None if peak is None else result["tflops"] / peak

@@ -197,6 +197,17 @@ def drafter_formats(specs: list[str], drafters: dict[str, str]) -> dict[str, str
 # -------------------------------------------------------------------------------------------- rows
 
 
+def rows_key(args, name: str, path: str, formats: dict[str, str]) -> str:
+    """What a drafter's cached rows are keyed by: its weights' fingerprint, a hybrid's lookup settings, and the
+    format it was read in where ``--drafter_format`` named one (the same weights through another format's loader
+    are new rows); prompt lookup alone has no weights."""
+    if name == "ngram":
+        return "ngram-max3"
+    learned = name.removeprefix("hybrid-")
+    hybrid = f"-hybrid-m{args.min_match}s{args.min_match_sampled}" if name != learned else ""
+    return fingerprint(path) + hybrid + (f"-as-{formats[learned]}" if learned in formats else "")
+
+
 def plan_rows(args, drafters: dict[str, str], sets: dict[str, list[dict]]) -> list[dict]:
     """Every row to measure, in the order the table reads."""
     unknown = sorted(set(args.sampled) - set(drafters))
@@ -416,10 +427,7 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
     settings["common"].update(max_len=ctx.max_len, batch_invariant=default_batch_invariant(
         args.device, resolve_dtype(args.dtype, args.device)))
     rows_dir = open_out(out, settings, args.force)
-    prints = {name: ("ngram-max3" if name == "ngram" else fingerprint(path) + (
-        f"-hybrid-m{args.min_match}s{args.min_match_sampled}" if name.startswith("hybrid-") else "") + (
-        f"-as-{formats[name.removeprefix('hybrid-')]}" if name.removeprefix("hybrid-") in formats else ""))
-              for name, path in drafters.items()}  # the same weights read by another format's loader: new rows
+    prints = {name: rows_key(args, name, path, formats) for name, path in drafters.items()}
     t0 = time.time()
 
     references = {}

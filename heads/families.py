@@ -292,6 +292,12 @@ def resolve(ref: Ref):
         raise SpectrainError(f"cannot import {ref}: {err}") from None
 
 
+def resolve_class_path(class_path: str):
+    """The class a recipe's ``model.class_path`` (``package.module.Class``) names, imported now."""
+    module, _, name = class_path.rpartition(".")
+    return resolve(f"{module}:{name}")
+
+
 def _load_families() -> None:
     """Import the bundled family modules (each registers itself), then load every ``spectrain.families`` entry point
     (once; cheap afterwards). An entry point names a module that registers its family on import, or a

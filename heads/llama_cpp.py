@@ -94,8 +94,9 @@ def spec_type_of(method: str) -> str | None:
 def write_draft_gguf(drafter, out: str | Path, target_gguf: str | Path, dtype: str = "float32", force: bool = False,
                      verifier_name: str = "") -> str:
     """Write ``drafter`` as the llama.cpp file its family writes (what ``spectrain-export --format gguf`` writes):
-    the drafter and the target GGUF are checked first, the file is validated before its rename. Returns the
-    ``llama-server`` flags that serve it (``"--spec-type draft-NAME ..."``)."""
+    the drafter and the target GGUF are checked first (the family's ``check_target``, whatever its writer checks
+    itself), the file is validated before its rename. Returns the ``llama-server`` flags that serve it
+    (``"--spec-type draft-NAME ..."``)."""
     export = gguf_export_of(drafter)
     resolve(export.check_target)(drafter, Path(target_gguf))
     return resolve(export.write)(drafter, Path(out), Path(target_gguf), dtype, force, verifier_name)

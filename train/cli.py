@@ -209,12 +209,9 @@ class SpectrainCLI(LightningCLI):
 def recipe_method(model_config) -> str:
     """What a parsed ``model`` section (class_path + init_args) trains: its module's
     :meth:`~.base.DrafterModule.method_for`, a method of a registered drafter family."""
-    from spectrain.heads.families import family_for_method
+    from spectrain.heads.families import family_for_method, resolve_class_path
 
-    module, _, name = model_config.class_path.rpartition(".")
-    import importlib
-
-    method = getattr(importlib.import_module(module), name).method_for(model_config.init_args)
+    method = resolve_class_path(model_config.class_path).method_for(model_config.init_args)
     family_for_method(method, f"model.class_path {model_config.class_path}")
     return method
 
