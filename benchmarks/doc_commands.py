@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OURS = {"spectrain-eval": "spectrain.eval.cli", "spectrain-results": "spectrain.eval.results",
         "spectrain-extract": "spectrain.data.store", "spectrain-export": "spectrain.heads.export_cli",
         "spectrain-distill": "spectrain.data.distill", "spectrain-build-verifier": "spectrain.data.bundled"}
-TRAIN = {"train_medusa": "medusa_tinyshakespeare.yaml", "train_eagle": "eagle3_tinyshakespeare.yaml"}
+TRAIN = {"train_medusa": "medusa_tinyshakespeare.yaml", "train_eagle": "eagle3_tinyshakespeare.yaml",
+         "train_dflash": "dflash_tinyshakespeare.yaml", "spectrain-train": None}  # None: the --config alone
 
 
 def pages(root: Path = ROOT) -> list[Path]:
@@ -98,7 +99,7 @@ def check(argv: list[str], redirect: str | None = None) -> str:
         from spectrain.train.cli import train
 
         note = ""
-        if "--config" in argv[:-1] and not Path(argv[argv.index("--config") + 1]).is_file():
+        if TRAIN[program] and "--config" in argv[:-1] and not Path(argv[argv.index("--config") + 1]).is_file():
             i = argv.index("--config") + 1  # the user's own recipe: checked against the default one instead
             note, argv = f" (the user's {argv[i]}: the default recipe in its place)", argv[:i - 1] + argv[i + 1:]
         printed = io.StringIO()

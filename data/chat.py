@@ -8,7 +8,8 @@ only assistant tokens are training targets. The pipeline is:
   MT-bench ``turns``, GSM8K ``question``/``answer``) into OpenAI-style ``[{"role", "content"}]`` messages;
 * :func:`render_chat` renders messages with the tokenizer's own chat template
   and marks which tokens are assistant targets;
-* :func:`tokenize_chat_file` does all three for a file and counts skipped rows.
+* :func:`tokenize_chat_file` does all three for a file and counts skipped rows and rows cut at the block size
+  (:mod:`spectrain.data.truncation`).
 
 Every error is a :class:`SpectrainError` whose message names the file (and the
 row or line where one is known), so the command line can print it as is.
@@ -17,10 +18,13 @@ row or line where one is known), so the command line can print it as is.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 from spectrain.heads.errors import SpectrainError
+
+from .truncation import Truncation
 
 # Keys under which a top-level JSON object may hold its list of records
 # (the shapes ``datasets`` exports and most hub dumps use).
@@ -221,6 +225,27 @@ def _text(value: Any, where: str) -> str:
 # --------------------------------------------------------------------------- rendering
 
 
+class RenderedChat(NamedTuple):
+    """One conversation rendered and cut to ``max_length``, with what the cut took.
+
+    ``row`` is ``{"input_ids": [...], "loss_mask": [...]}`` (at most ``max_length`` tokens); ``length`` the full
+    render's tokens; ``loss_tokens`` its loss-masked tokens before the cut, ``kept_loss_tokens`` those in ``row``.
+    """
+
+    row: dict
+    length: int
+    loss_tokens: int
+    kept_loss_tokens: int
+
+    @property
+    def cut(self) -> bool:
+        return self.length > len(self.row["input_ids"])
+
+    def count_into(self, truncation: Truncation) -> None:
+        """Add this row to a :class:`~spectrain.data.truncation.Truncation` counter."""
+        truncation.add(self.length, self.loss_tokens, self.kept_loss_tokens)
+
+
 def render_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
     """Render ``messages`` with the tokenizer's chat template and mark the assistant targets.
 
@@ -229,7 +254,13 @@ def render_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
     token ``t`` is a training target: it belongs to an assistant message's
     content or to the end-of-turn marker the template writes right after it
     (the model must learn to stop). Role headers, system and user text are 0.
+    :func:`render_chat_measured` also says what the cut took.
     """
+    return render_chat_measured(messages, tokenizer, max_length).row
+
+
+def render_chat_measured(messages: list[dict], tokenizer, max_length: int) -> RenderedChat:
+    """:func:`render_chat`'s row with the full render's length and loss tokens (one render, one tokenization)."""
     if max_length < 1:
         raise SpectrainError(f"max_length must be at least 1, got {max_length}")
     _check_tokenizer(tokenizer)
@@ -240,9 +271,10 @@ def render_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
     text = _apply_template(tokenizer, messages, add_generation_prompt=False)
     spans = assistant_char_spans(messages, tokenizer, text)
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-    ids = list(enc["input_ids"])[:max_length]
-    mask = _mask_from_offsets(enc["offset_mapping"][:max_length], spans)
-    return {"input_ids": ids, "loss_mask": mask}
+    ids = list(enc["input_ids"])
+    mask = _mask_from_offsets(enc["offset_mapping"], spans)  # the whole render's: what the cut drops is counted
+    kept = mask[:max_length]
+    return RenderedChat({"input_ids": ids[:max_length], "loss_mask": kept}, len(ids), sum(mask), sum(kept))
 
 
 def assistant_char_spans(messages: list[dict], tokenizer, text: str) -> list[tuple[int, int]]:
@@ -315,14 +347,21 @@ def _tokenizer_name(tokenizer) -> str:
 # --------------------------------------------------------------------------- files
 
 
-class ChatTokenized(NamedTuple):
-    """Tokenized rows of a chat file and how many rows gave nothing to train on.
+@dataclass(frozen=True)
+class ChatTokenized:
+    """Tokenized rows of a chat file, how many rows gave nothing to train on, and what the block size cut.
 
-    A tuple, so ``rows, skipped = tokenize_chat_file(...)`` works.
+    ``truncation`` counts every conversation with an assistant turn (those that lost every target to the cut,
+    and so are also in ``skipped``, included). Unpacks as two values, ``rows, skipped = tokenize_chat_file(...)``
+    (a tuple of three would not: callers written before the count read two).
     """
 
     rows: list[dict]
     skipped: int
+    truncation: Truncation
+
+    def __iter__(self) -> Iterator:
+        return iter((self.rows, self.skipped))
 
 
 def tokenize_chat_file(path: str, tokenizer, max_length: int) -> ChatTokenized:
@@ -333,21 +372,24 @@ def tokenize_chat_file(path: str, tokenizer, max_length: int) -> ChatTokenized:
     """
     records = load_records(path)
     rows, no_assistant, truncated = [], 0, 0
+    truncation = Truncation(max_length)
     for i, record in enumerate(records):
         try:
             messages = to_messages(record)
-            row = None if messages is None else render_chat(messages, tokenizer, max_length)
+            rendered = None if messages is None else render_chat_measured(messages, tokenizer, max_length)
         except SpectrainError as e:
             raise SpectrainError(f"chat data file {path}, record {i}: {e}") from None
-        if row is None:
+        if rendered is None:
             no_assistant += 1
-        elif not any(row["loss_mask"]):
+            continue
+        rendered.count_into(truncation)
+        if rendered.kept_loss_tokens == 0:
             truncated += 1
         else:
-            rows.append(row)
+            rows.append(rendered.row)
     if not rows:
         raise SpectrainError(_nothing_usable(path, len(records), no_assistant, truncated, max_length))
-    return ChatTokenized(rows, no_assistant + truncated)
+    return ChatTokenized(rows, no_assistant + truncated, truncation)
 
 
 def _nothing_usable(path: str, n: int, no_assistant: int, truncated: int, max_length: int) -> str:

@@ -26,8 +26,34 @@ from spectrain.heads.verifier import load_tokenizer
 
 from .bundled import VAL_FRACTION, bundled_text_path
 from .loader import EveryNth, RankShare, is_map_style, rank_and_world
+from .truncation import Truncation
 
 log = logging.getLogger(__name__)
+
+STREAM_TRUNCATION_ROWS = 1000  # a chat stream's rows rendered at setup to count those cut at block_size
+# What was counted, for summaries; where nothing was, the text before ":" is the summary table's cell.
+PACKED = "none (packed text): plain text is packed into block_size blocks, no row is cut"
+ALL_CONVERSATIONS = "every conversation with an assistant turn (train and validation rows, before the split)"
+NOT_RECORDED = ("not recorded (older store): the store was extracted before spectrain counted rows cut at "
+                "block_size (re-extract it to count them)")
+
+
+RENDER_COUNTS = ("length", "loss_tokens", "kept_loss_tokens")  # RenderedChat's counts, columns while counting
+
+
+def _chat_cache_counts(cache: Path) -> dict | None:
+    """A chat cache's ``spectrain.json`` (``skipped`` and the ``truncation`` record); None when the cache is absent,
+    or older than the truncation count (or its record unreadable): such a cache is rebuilt."""
+    meta = cache / "spectrain.json"
+    if not ((cache / "dataset_info.json").is_file() and meta.is_file()):
+        return None
+    try:
+        counts = json.loads(meta.read_text())
+        Truncation.from_record(counts["truncation"])
+        int(counts["skipped"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    return counts
 
 
 class DrafterDataModule(L.LightningDataModule):
@@ -40,7 +66,8 @@ class DrafterDataModule(L.LightningDataModule):
             ``train/metadata.json`` -> store (offline hidden states from ``spectrain-extract``), otherwise hf.
         tokenizer: the verifier whose tokenizer (and chat template) to use; linked to ``model.verifier``.
         gguf_file: GGUF file inside ``tokenizer``, when the verifier is one; linked to ``model.verifier_gguf_file``.
-        block_size: tokens per text block; maximum length of a chat sample.
+        block_size: tokens per text block; maximum length of a chat sample (longer conversations are cut, counted
+            in :attr:`truncation` and warned about above 5 % of rows or loss tokens).
         batch_size: samples per batch.
         val_fraction: held-out fraction (contiguous tail for text; a seeded random subset for chat/hf).
         text_field: column holding plain text in an HF dataset.
@@ -89,6 +116,9 @@ class DrafterDataModule(L.LightningDataModule):
         self.skipped = 0
         self.tokenizer = None
         self.store_meta = None
+        # Rows cut at block_size (None: nothing counted) and which rows were counted: set by setup.
+        self.truncation: Truncation | None = None
+        self.truncation_counted = PACKED
 
     # -- what the data is -------------------------------------------------------------------------------------
     @property
@@ -113,6 +143,7 @@ class DrafterDataModule(L.LightningDataModule):
         fmt = self.resolved_format()
         if self.streaming:
             self.train_set, self.val_set = self._streams(fmt)
+            self._warn_truncation()
             return
         if fmt == "text":
             from .text import text_blocks
@@ -132,11 +163,42 @@ class DrafterDataModule(L.LightningDataModule):
             self.train_set = HiddenStateStore(Path(self.path) / "train", check_checksums=verify)
             self.val_set = HiddenStateStore(Path(self.path) / "validation", check_checksums=verify)
             self.store_meta = self.train_set.meta
+            self._store_truncation(Path(self.path) / "train" / "metadata.json")
         else:
             raise SpectrainError(f"unknown data.format {self.format!r}; expected auto, text, chat or hf")
         if len(self.val_set) == 0 or len(self.train_set) == 0:
             raise SpectrainError(f"{self.data_name}: too little data for a train/validation split "
                                  f"({len(self.train_set)} train, {len(self.val_set)} validation samples)")
+        self._warn_truncation()
+
+    # -- rows cut at block_size ---------------------------------------------------------------------------------
+    def truncation_entry(self) -> dict:
+        """What was counted (``counted``) and, where something was, :meth:`Truncation.record`'s counts: a store's
+        ``metadata.json`` keeps this, a training summary adds :meth:`truncation_warning`."""
+        return {"counted": self.truncation_counted, **(self.truncation.record() if self.truncation else {})}
+
+    def truncation_warning(self) -> str | None:
+        """The warning when more than 5 % of the counted rows or loss tokens are cut, else None."""
+        return self.truncation.warning(self.data_name) if self.truncation else None
+
+    def _warn_truncation(self) -> None:
+        """Said at setup, before training or extraction starts, so a user can stop and raise block_size."""
+        warning = self.truncation_warning()
+        if warning:
+            log.warning("warning: %s", warning)
+
+    def _store_truncation(self, meta_path: Path) -> None:
+        """A store's rows were cut at extraction: its metadata's record (absent in stores extracted before)."""
+        entry = self.store_meta.get("truncation")
+        if entry is None:
+            self.truncation, self.truncation_counted = None, NOT_RECORDED
+            return
+        try:
+            self.truncation_counted = f"at extraction, {entry['counted']}"
+            self.truncation = Truncation.from_record(entry) if "rows" in entry else None
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpectrainError(f"store metadata {meta_path}: its 'truncation' entry is not a truncation record "
+                                 f"({type(e).__name__}: {e}); re-extract the store") from None
 
     def _streams(self, fmt: str):
         """Lazily read train/validation :class:`~spectrain.data.streaming.RowStream` s (nothing materialized)."""
@@ -159,6 +221,7 @@ class DrafterDataModule(L.LightningDataModule):
                 raise SpectrainError(f"data.streaming reads chat data line by line: convert {path} to .jsonl "
                                      "(one conversation per line)")
             rows, to_samples = (lambda: st.jsonl_records(path)), st.chat_samples(tok, block)
+            self._sample_stream_truncation(rows())
         elif fmt == "hf":
             import datasets
 
@@ -173,6 +236,7 @@ class DrafterDataModule(L.LightningDataModule):
                 to_samples = st.packed_text(tok, block, separator=tok.eos_token_id)
             else:
                 rows, to_samples = (lambda: iter(ds)), st.chat_samples(tok, block)
+                self._sample_stream_truncation(rows())
         else:
             raise SpectrainError(f"data.streaming does not apply to data.format {fmt}: a hidden-state store is "
                                  "already read shard by shard")
@@ -182,6 +246,14 @@ class DrafterDataModule(L.LightningDataModule):
             raise SpectrainError(f"{self.data_name}: too little data to stream a train/validation split "
                                  f"(every {val_every}th row is held out; blocks of {block} tokens)")
         return train, val
+
+    def _sample_stream_truncation(self, rows) -> None:
+        from .streaming import sample_truncation
+
+        self.truncation = sample_truncation(rows, self.tokenizer, self.block_size, STREAM_TRUNCATION_ROWS)
+        self.truncation_counted = (f"the stream's first {STREAM_TRUNCATION_ROWS} rows, at setup "
+                                   f"({self.truncation.rows} conversations with an assistant turn, train and "
+                                   "validation): a stream is not read whole before training")
 
     def vocab_rows(self, limit: int = 4096):
         """Rows to count token frequencies over (a fixed draft vocabulary's): all of them, or a stream's first."""
@@ -207,16 +279,20 @@ class DrafterDataModule(L.LightningDataModule):
         cache.parent.mkdir(parents=True, exist_ok=True)
         with open(cache.parent / f".{cache.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # data-parallel ranks (or two runs) asking at once: built once
-            if not (cache / "dataset_info.json").is_file():
-                rows, skipped = tokenize_chat_file(path, self.tokenizer, self.block_size)
-                if len(rows) < 2:
-                    raise SpectrainError(f"{path}: {len(rows)} usable conversation(s); need at least 2 for a "
-                                         "validation split")
+            counts = _chat_cache_counts(cache)
+            if counts is None:  # absent, or written before rows cut at block_size were counted: built (again)
+                tokenized = tokenize_chat_file(path, self.tokenizer, self.block_size)
+                if len(tokenized.rows) < 2:
+                    raise SpectrainError(f"{path}: {len(tokenized.rows)} usable conversation(s); need at least 2 "
+                                         "for a validation split")
+                counts = {"skipped": tokenized.skipped, "truncation": tokenized.truncation.record()}
                 with atomic_dir(cache, force=True) as tmp:  # complete or absent: never half a cache
-                    datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
-                    (tmp / "spectrain.json").write_text(json.dumps({"skipped": skipped}))
+                    datasets.Dataset.from_list(tokenized.rows).save_to_disk(str(tmp))
+                    (tmp / "spectrain.json").write_text(json.dumps(counts))
         ds = datasets.load_from_disk(str(cache))
-        self.skipped = int(json.loads((cache / "spectrain.json").read_text())["skipped"])
+        self.skipped = int(counts["skipped"])
+        self.truncation = Truncation.from_record(counts["truncation"])
+        self.truncation_counted = ALL_CONVERSATIONS
         if self.skipped:
             log.warning("%s: skipped %d conversation(s) with no assistant turn, or whose assistant turns all fall "
                         "beyond block_size=%d tokens", path, self.skipped, self.block_size)
@@ -232,7 +308,7 @@ class DrafterDataModule(L.LightningDataModule):
     def _hf_rows(self):
         import datasets
 
-        from .chat import render_chat, to_messages
+        from .chat import render_chat_measured, to_messages
 
         if not self.path:
             raise SpectrainError("data.format=hf needs data.path (a saved dataset directory, data files or a hub id)")
@@ -264,9 +340,17 @@ class DrafterDataModule(L.LightningDataModule):
 
         def render(row):
             messages = to_messages(dict(row))  # datasets hands over lazy row mappings
-            return render_chat(messages, tok, block) if messages else {"input_ids": [], "loss_mask": []}
+            if not messages:
+                return {"input_ids": [], "loss_mask": [], **{c: 0 for c in RENDER_COUNTS}}
+            rendered = render_chat_measured(messages, tok, block)
+            return {**rendered.row, **{c: getattr(rendered, c) for c in RENDER_COUNTS}}
 
-        ds = ds.map(render, remove_columns=ds.column_names).filter(lambda r: sum(r["loss_mask"]) > 0)
+        ds = ds.map(render, remove_columns=ds.column_names)
+        self.truncation, self.truncation_counted = Truncation(block), ALL_CONVERSATIONS
+        for length, loss_tokens, kept in zip(*(ds[c] for c in RENDER_COUNTS)):
+            if length:  # a row with no assistant turn is not rendered (length 0)
+                self.truncation.add(length, loss_tokens, kept)
+        ds = ds.filter(lambda r: r["kept_loss_tokens"] > 0).remove_columns(list(RENDER_COUNTS))
         if len(ds) == 0:
             raise SpectrainError(f"HF dataset {self.path!r} has no column {self.text_field!r} and no usable conversations")
         return self._split(ds)

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -172,6 +173,60 @@ def generate_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return [row[:next((i for i, t in enumerate(row) if t in ends), len(row))] for row in out]
 
 
+META_RECORDS = ("served_runs",)  # kept in OUT.meta.json beside the settings, not part of the resume key
+
+
+def prepare_output(out: Path, settings: dict, served_run: dict | None = None) -> set[int]:
+    """Check ``out`` against its ``.meta.json`` (other settings refused), write the settings (and, for a served run,
+    append ``served_run`` to its ``served_runs``: which endpoints answered, the check's outcome) and return the ids
+    already written. The endpoints are not part of the resume key: a rerun with other servers resumes."""
+    meta_path = out.with_name(out.name + ".meta.json")
+    old = {}
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        if {k: v for k, v in old.items() if k not in META_RECORDS} != settings:
+            raise SpectrainError(f"{out} was generated with other settings ({meta_path}); use another --out")
+    elif out.is_file() and out.stat().st_size:
+        raise SpectrainError(f"{out} exists without {meta_path.name}: not a spectrain-distill output; use another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(settings)
+    if served_run is not None or old.get("served_runs"):
+        meta["served_runs"] = old.get("served_runs", []) + ([served_run] if served_run is not None else [])
+    write_json(meta_path, meta)
+    return read_done(out)
+
+
+def conversations_todo(records: list[dict], settings: dict, done: set[int]) -> tuple[list[tuple], int]:
+    """(the (id, system prompt, [(user turn, dataset reply)]) not yet in the output, how many have no user turn)."""
+    original = settings.get("responses") == "original"
+    todo, skipped = [], 0
+    for i, record in enumerate(records):
+        system, pairs = turns_of(record, settings["max_turns"])
+        if original and any(not reply.strip() for _, reply in pairs):
+            pairs = pairs[:next(k for k, (_, reply) in enumerate(pairs) if not reply.strip())]
+        if not pairs:
+            skipped += 1
+        elif i not in done:
+            todo.append((i, system, pairs))
+    return todo, skipped
+
+
+def row_of(i: int, history: list[dict], looped: bool, settings: dict) -> dict:
+    """One output row: the conversation as ShareGPT turns and the settings it was generated with."""
+    row = {"id": i, "conversations": [{"from": ROLE_TO_SHAREGPT[m["role"]], "value": m["content"]} for m in history],
+           "generation": settings}
+    if looped:
+        row["stopped_by_loop"] = True
+    return row
+
+
+def append_rows(f, rows: list[dict]) -> None:
+    """Whole rows appended and synced: a row is on disk whole or (a torn last line) dropped on resume."""
+    f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def distill(verifier, records: list[dict], out: Path, settings: dict, batch_size: int, log=print) -> dict:
     """Generate for every record not yet in ``out``; returns counts."""
     model, tokenizer = verifier.model, verifier.tokenizer
@@ -181,26 +236,8 @@ def distill(verifier, records: list[dict], out: Path, settings: dict, batch_size
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    meta_path = out.with_name(out.name + ".meta.json")
-    if meta_path.is_file():
-        old = json.loads(meta_path.read_text())
-        if old != settings:
-            raise SpectrainError(f"{out} was generated with other settings ({meta_path}); use another --out")
-    elif out.is_file() and out.stat().st_size:
-        raise SpectrainError(f"{out} exists without {meta_path.name}: not a spectrain-distill output; use another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(meta_path, settings)
-    done = read_done(out)
-    todo = []
-    skipped = 0
-    for i, record in enumerate(records):
-        system, pairs = turns_of(record, settings["max_turns"])
-        if original and any(not reply.strip() for _, reply in pairs):
-            pairs = pairs[:next(k for k, (_, reply) in enumerate(pairs) if not reply.strip())]
-        if not pairs:
-            skipped += 1
-        elif i not in done:
-            todo.append((i, system, pairs))
+    done = prepare_output(out, settings)
+    todo, skipped = conversations_todo(records, settings, done)
     # Similar prompt lengths share a batch: left padding to the longest prompt is wasted compute.
     todo.sort(key=lambda item: (len(item[2][0][0]), item[0]))
     t0, tokens, written, loops, too_long = time.time(), 0, 0, 0, 0
@@ -238,20 +275,115 @@ def distill(verifier, records: list[dict], out: Path, settings: dict, batch_size
                         continue
                     histories[j].append({"role": "assistant", "content": reply})
                     tokens += len(ids)
-            for (i, _, _), history, loop in zip(batch, histories, looped):
-                row = {"id": i, "conversations": [{"from": ROLE_TO_SHAREGPT[m["role"]], "value": m["content"]}
-                                                  for m in history], "generation": settings}
-                if loop:
-                    row["stopped_by_loop"] = True
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())  # a batch is either on disk whole or (torn last line) dropped on resume
+            append_rows(f, [row_of(i, history, loop, settings)
+                            for (i, _, _), history, loop in zip(batch, histories, looped)])
             written += len(batch)
             log(f"distill: {len(done) + written}/{len(records) - skipped} conversations, " + (
                 f"{tokens} reply tokens written (the dataset's own)" if original else
                 f"{tokens / max(time.time() - t0, 1e-9):.1f} generated tokens/s"))
     return {"already_done": len(done), "written": written, "skipped_without_user_turn": skipped,
             "generated_tokens": tokens, "loops_dropped": loops, "prompt_too_long": too_long, "seconds": round(time.time() - t0, 1)}
+
+
+# --------------------------------------------------------------------------- replies from serving engines
+
+
+@dataclass
+class ServedAsk:
+    """How replies are asked of the endpoints: the verifier's tokenizer renders every prompt with its own chat
+    template (``api == "completions"``: sent as token ids, or as text with ``prompt_format == "text"``); with
+    ``api == "chat completions"`` the engine renders the messages itself (checked against ours first)."""
+
+    tokenizer: object
+    stops: list[int]
+    api: str
+    prompt_format: str
+
+    def prompt(self, history: list[dict]) -> list[int] | str:
+        text = self.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if self.prompt_format == "ids" else text
+
+    def ask(self, endpoint, history: list[dict], max_new_tokens: int, temperature: float, seed: int | None,
+            top_logprobs: int = 0):
+        if self.api == "chat completions":
+            return endpoint.chat(history, max_new_tokens, temperature, seed, top_logprobs)
+        return endpoint.complete(self.prompt(history), max_new_tokens, temperature, seed, top_logprobs)
+
+    def reply(self, endpoint, history: list[dict], settings: dict, seed: int | None) -> tuple[str, list[int]]:
+        """(the reply text as the local loop writes it, its token ids): from the engine's ids where it returns
+        them (decoded here exactly as the local loop decodes), else its text and that text re-tokenized."""
+        from .engine import cut_at_stop
+
+        max_new = settings["max_new_tokens"]
+        completion = self.ask(endpoint, history, max_new, settings["temperature"], seed)
+        if completion.token_ids is not None:
+            ids = cut_at_stop(completion.token_ids, self.stops)[:max_new]
+            return self.tokenizer.decode(ids, skip_special_tokens=True).strip(), ids
+        reply = completion.text.strip()
+        return reply, self.tokenizer(reply, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class Conversation:
+    """One finished conversation of a served run: its row and what it counted."""
+
+    row: dict
+    tokens: int = 0
+    looped: bool = False
+    prompt_too_long: bool = False
+
+
+def converse(endpoint, item: tuple, ask: ServedAsk, settings: dict) -> Conversation:
+    """One conversation's turns in order on one endpoint (each turn sees the earlier replies), the loop filter and
+    the prompt cap as the local loop applies them. Seeds: ``seed + id * 1000 + turn`` per conversation turn."""
+    i, system, pairs = item
+    history = [{"role": "system", "content": system}] if system else []
+    result = Conversation(row={})
+    max_prompt = settings.get("max_prompt_tokens")
+    for turn, (user, _) in enumerate(pairs):
+        history.append({"role": "user", "content": user})
+        if max_prompt and prompt_length(ask.tokenizer, history) > max_prompt:
+            history.pop()
+            result.prompt_too_long = turn == 0
+            break
+        reply, ids = ask.reply(endpoint, history, settings, settings["seed"] + i * 1000 + turn)
+        if looping(ids):
+            history.pop()
+            result.looped = True
+            break
+        history.append({"role": "assistant", "content": reply})
+        result.tokens += len(ids)
+    result.row = row_of(i, history, result.looped, settings)
+    return result
+
+
+def distill_served(endpoints: list, ask: ServedAsk, records: list[dict], out: Path, settings: dict,
+                   served_run: dict, in_flight: int, log=print) -> dict:
+    """:func:`distill` with the replies from OpenAI-compatible endpoints: ``in_flight`` conversations per endpoint
+    from one shared queue, each conversation one unit of work on one endpoint, rows appended whole (and synced) by
+    this thread as conversations finish; an endpoint that goes down is dropped and its conversations requeued."""
+    from .engine import run_pool
+
+    done = prepare_output(out, settings, served_run)
+    todo, skipped = conversations_todo(records, settings, done)
+    counts = {"written": 0, "generated_tokens": 0, "loops_dropped": 0, "prompt_too_long": 0}
+    t0 = time.time()
+    with open(out, "a", encoding="utf-8") as f:
+        def write(item: tuple, conversation: Conversation) -> None:
+            append_rows(f, [conversation.row])
+            counts["written"] += 1
+            counts["generated_tokens"] += conversation.tokens
+            counts["loops_dropped"] += conversation.looped
+            counts["prompt_too_long"] += conversation.prompt_too_long
+            if counts["written"] % 50 == 0 or counts["written"] == len(todo):
+                log(f"distill: {len(done) + counts['written']}/{len(records) - skipped} conversations, "
+                    f"{counts['generated_tokens'] / max(time.time() - t0, 1e-9):.1f} generated tokens/s")
+
+        pool = run_pool(endpoints, in_flight, todo, lambda endpoint, item: converse(endpoint, item, ask, settings),
+                        write, log)
+    return {"already_done": len(done), **counts, "skipped_without_user_turn": skipped,
+            "seconds": round(time.time() - t0, 1), "finished_by_endpoint": pool.finished,
+            "dropped_endpoints": pool.dropped}
 
 
 def mix(paths: list[str], tokenizer) -> list[dict]:
@@ -305,7 +437,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", help="verifier dtype: auto (bf16 on CUDA and on CPUs with native bf16 "
-                   "matmuls, fp32 elsewhere), float32 or bfloat16")
+                   "matmuls, fp32 elsewhere), float32 or bfloat16; with --server the engine's dtype, in which the local "
+                   "verifier answers the served-verifier check")
+    p.add_argument("--block_size", type=int, default=None,
+                   help="the training block size the output is for: the summary counts conversations whose full "
+                        "rendered chat is longer (training would cut them) and their assistant tokens lost")
+    s = p.add_argument_group("replies from OpenAI-compatible serving engines (vLLM, SGLang, llama-server, TGI)")
+    s.add_argument("--server", action="append", metavar="URL", default=None,
+                   help="an endpoint (http://host:port); repeat for several sharing one queue of conversations")
+    s.add_argument("--in_flight", type=int, default=8, help="conversations in flight per endpoint")
+    s.add_argument("--served_model", default=None, help="the model name to ask for (default: the one /v1/models lists)")
+    s.add_argument("--api_key", default=None, help="sent as a Bearer token (default: $OPENAI_API_KEY if set)")
+    s.add_argument("--prompt_format", choices=["ids", "text"], default="ids",
+                   help="how a prompt rendered with the verifier's chat template is sent to /v1/completions: token ids "
+                        "(vLLM, SGLang, llama-server) or its text (TGI, which takes no ids)")
+    s.add_argument("--chat_completions", action="store_true",
+                   help="ask /v1/chat/completions instead (the engine renders the chat), after checking through the "
+                        "engine's /tokenize that its template renders the same ids as ours")
+    s.add_argument("--skip_verifier_check", action="store_true",
+                   help="do not compare the served model with the verifier (its weights are then not loaded locally, "
+                        "only its tokenizer); recorded in the output's metadata")
+    s.add_argument("--near_tie", type=float, default=None,
+                   help="the check's near-tie bound on top-1 minus top-2 margins (default by --dtype: bf16 0.5, "
+                        "fp16 0.0625, fp32 0.02)")
+    s.add_argument("--check_tokens", type=int, default=32, help="greedy tokens per probe of the check")
+    s.add_argument("--request_timeout", type=float, default=600.0, help="seconds per request")
+    s.add_argument("--retries", type=int, default=3,
+                   help="retries of a request that fails by connection, timeout or 5xx before its endpoint is dropped")
+    s.add_argument("--retry_backoff", type=float, default=1.0, help="seconds before the first retry, doubling")
     return p.parse_args(argv)
 
 
@@ -322,8 +481,6 @@ def report(args) -> Path:
 
 
 def run(args) -> Path:
-    from spectrain.heads.verifier import load_verifier, resolve_dtype
-
     from .chat import load_records
 
     if args.report:
@@ -331,7 +488,8 @@ def run(args) -> Path:
     if not args.data or not args.out:
         raise SpectrainError("--data and --out are required (or --report FILE ... to read finished files)")
 
-    for key in ("max_turns", "max_new_tokens", "batch_size", "max_prompt_tokens"):
+    for key in ("max_turns", "max_new_tokens", "batch_size", "max_prompt_tokens", "block_size", "in_flight",
+                "check_tokens"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             raise SpectrainError(f"--{key} must be >= 1, got {getattr(args, key)}")
     if args.temperature < 0:
@@ -357,24 +515,181 @@ def run(args) -> Path:
         settings["max_prompt_tokens"] = args.max_prompt_tokens
     if args.responses == "original":  # nothing is generated: temperature and seed do not apply
         settings.update(responses="original", temperature=None, seed=None)
-    verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, device=args.device,
-                             dtype=resolve_dtype(args.dtype, args.device))
     out = Path(args.out)
-    counts = distill(verifier, records, out, settings, args.batch_size)
+    if args.server:
+        counts, tokenizer, served = run_served(args, records, settings, out)
+    else:
+        from spectrain.heads.verifier import load_verifier, resolve_dtype
+
+        verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, device=args.device,
+                                 dtype=resolve_dtype(args.dtype, args.device))
+        counts, tokenizer, served = distill(verifier, records, out, settings, args.batch_size), verifier.tokenizer, None
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").split("\n") if line.strip()]
     ids = [r["id"] for r in rows]
     summary = {**counts, "rows": len(rows), "unique_ids": len(set(ids)), "out": str(out.resolve()), **settings}
-    table = format_table(["", "value"], [["rows in output", len(rows)], ["written this run", counts["written"]],
-                                         ["already there", counts["already_done"]],
-                                         ["conversations stopped by the loop filter", counts["loops_dropped"]],
-                                         ["conversations skipped: prompt too long", counts["prompt_too_long"]],
-                                         ["reply tokens written", counts["generated_tokens"]] if args.responses == "original"
-                                         else ["generated tokens/s", round(counts["generated_tokens"] /
-                                                                           max(counts["seconds"], 1e-9), 1)]],
-                         title=(f"raw twin (the dataset's replies, cut at {args.max_new_tokens} tokens of {args.verifier}'s "
-                                f"tokenizer; nothing generated) -> {out}" if args.responses == "original"
-                                else f"self-distillation with {args.verifier} -> {out}"))
-    return finish(summary, out.with_name(out.name + ".summary.json"), [table])
+    lines = [["rows in output", len(rows)], ["written this run", counts["written"]],
+             ["already there", counts["already_done"]],
+             ["conversations stopped by the loop filter", counts["loops_dropped"]],
+             ["conversations skipped: prompt too long", counts["prompt_too_long"]],
+             ["reply tokens written", counts["generated_tokens"]] if args.responses == "original"
+             else ["generated tokens/s", round(counts["generated_tokens"] / max(counts["seconds"], 1e-9), 1)]]
+    tables = []
+    if served is not None:
+        summary["served"] = served
+        lines += [[f"conversations from {url}", n] for url, n in counts["finished_by_endpoint"].items()]
+        lines += [[f"dropped {url}", why] for url, why in counts["dropped_endpoints"].items()]
+        lines.append(["served-verifier check", check_line(served["verifier_check"])])
+    if args.block_size:
+        truncation = count_truncation(rows, tokenizer, args.block_size)
+        summary["truncation"] = truncation.record()
+        warning = truncation.warning(f"distilled conversations at --block_size {args.block_size}")
+        summary["truncation_warning"] = warning
+        lines += [[f"conversations longer than block_size={args.block_size}", f"{truncation.rows_cut} of {truncation.rows}"],
+                  ["assistant tokens training would cut", f"{truncation.loss_tokens_cut} of {truncation.loss_tokens}"]]
+        if warning:
+            print(f"warning: {warning}")
+    title = (f"raw twin (the dataset's replies, cut at {args.max_new_tokens} tokens of {args.verifier}'s tokenizer; "
+             f"nothing generated) -> {out}" if args.responses == "original"
+             else f"self-distillation with {args.verifier}" + (f" served by {len(args.server)} endpoint(s)"
+                                                              if args.server else "") + f" -> {out}")
+    tables.insert(0, format_table(["", "value"], lines, title=title))
+    return finish(summary, out.with_name(out.name + ".summary.json"), tables)
+
+
+def count_truncation(rows: list[dict], tokenizer, block_size: int):
+    """The output's conversations rendered as training renders them, against ``block_size``: rows cut and the
+    assistant (loss) tokens the cut loses (rows without a kept reply are not trained on and not counted)."""
+    from .chat import render_chat_measured, to_messages
+    from .truncation import Truncation
+
+    truncation = Truncation(block_size)
+    for row in rows:
+        messages = to_messages(row)
+        if messages is not None:
+            render_chat_measured(messages, tokenizer, block_size).count_into(truncation)
+    return truncation
+
+
+def check_line(check: dict) -> str:
+    """The served-verifier check in one table cell."""
+    if check.get("skipped"):
+        return "skipped (--skip_verifier_check)"
+    ties = sum(len(e["near_ties"]) for e in check["endpoints"].values())
+    return f"passed ({check['probes']} probes per endpoint, {ties} near-tie parting(s) allowed)"
+
+
+def tokenizer_stops(verifier: str, tokenizer) -> list[int]:
+    """:func:`stop_ids` without the model's weights: the tokenizer's EOS and the ``generation_config.json`` beside
+    the verifier where it has one (said when it has none)."""
+    from transformers import GenerationConfig
+
+    from spectrain.heads.verifier import resolve_verifier
+
+    try:
+        config = GenerationConfig.from_pretrained(resolve_verifier(verifier))
+    except (OSError, ValueError):
+        print(f"distill: {verifier} has no generation_config.json: replies end at the tokenizer's EOS only")
+        config = None
+    return stop_ids(type("Model", (), {"generation_config": config})(), tokenizer)
+
+
+def run_served(args, records: list[dict], settings: dict, out: Path) -> tuple[dict, object, dict]:
+    """``--server``: endpoints resolved, the served-verifier check (unless skipped), then :func:`distill_served`.
+    Returns (counts, the verifier's tokenizer, the served record kept in the metadata and the summary)."""
+    from spectrain.heads.verifier import load_tokenizer, load_verifier, resolve_dtype
+
+    from .engine import NEAR_TIE, Endpoint
+
+    if args.responses == "original":
+        raise SpectrainError("--responses original writes the dataset's own replies: there is nothing to ask --server")
+    if args.retries < 0 or args.request_timeout <= 0:
+        raise SpectrainError("--retries must be >= 0 and --request_timeout > 0")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    endpoints = [Endpoint(url, api_key, args.request_timeout, args.retries, args.retry_backoff)
+                 for url in dict.fromkeys(args.server)]
+    for endpoint in endpoints:
+        endpoint.resolve_model(args.served_model)
+    api = "chat completions" if args.chat_completions else "completions"
+    settings["generator"] = {"api": api} if args.chat_completions else {
+        "api": api, "prompt": "token ids" if args.prompt_format == "ids" else "text"}
+    dtype = resolve_dtype(args.dtype, args.device)
+    near_tie = args.near_tie if args.near_tie is not None else NEAR_TIE[str(dtype).removeprefix("torch.")]
+    model = None
+    if args.skip_verifier_check:  # a 70B verifier need not be loaded here: its tokenizer renders the prompts
+        tokenizer = load_tokenizer(args.verifier, gguf_file=args.gguf_file)
+        stops = tokenizer_stops(args.verifier, tokenizer)
+    else:
+        verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, device=args.device, dtype=dtype)
+        model, tokenizer = verifier.model, verifier.tokenizer
+        stops = stop_ids(model, tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpectrainError(f"verifier {args.verifier} has no chat template: self-distillation needs one")
+    ask = ServedAsk(tokenizer, stops, api, args.prompt_format)
+    served = {"endpoints": [e.url for e in endpoints], "models": {e.url: e.model for e in endpoints}, "api": api,
+              "prompt": None if args.chat_completions else args.prompt_format, "in_flight": args.in_flight}
+    if args.chat_completions:
+        served["chat_template_check"] = check_chat_templates(endpoints, tokenizer)
+    if model is None:
+        served["verifier_check"] = {"skipped": True, "why": "--skip_verifier_check: the served model was not "
+                                    "compared with the verifier"}
+    else:
+        served["verifier_check"] = check_served_verifier(endpoints, ask, model, str(dtype).removeprefix("torch."),
+                                                         near_tie, args.check_tokens)
+        del verifier, model  # loaded for the check only
+    counts = distill_served(endpoints, ask, records, out, settings, served, args.in_flight)
+    served.update(finished_by_endpoint=counts["finished_by_endpoint"], dropped_endpoints=counts["dropped_endpoints"])
+    return counts, tokenizer, served
+
+
+def check_served_verifier(endpoints: list, ask: ServedAsk, model, dtype: str, near_tie: float,
+                          max_new_tokens: int) -> dict:
+    """Every endpoint's greedy continuations of the fixed probes against the local verifier's (see
+    :func:`spectrain.data.engine.check_endpoint`); a parting that is not a near-tie is a SpectrainError."""
+    from .engine import PROBES, check_endpoint, local_greedy
+
+    histories = [[{"role": "user", "content": probe}] for probe in PROBES]
+    tokenizer = ask.tokenizer
+    local = [local_greedy(model, tokenizer(tokenizer.apply_chat_template(h, add_generation_prompt=True, tokenize=False),
+                                           add_special_tokens=False)["input_ids"], max_new_tokens, ask.stops)
+             for h in histories]
+
+    def generate(endpoint, k: int):
+        return ask.ask(endpoint, histories[k], max_new_tokens, 0.0, None, top_logprobs=2)
+
+    return {"probes": len(PROBES), "tokens": max_new_tokens, "dtype": dtype, "near_tie": near_tie,
+            "endpoints": {e.url: check_endpoint(e, generate, tokenizer, local, ask.stops, near_tie, max_new_tokens)
+                          for e in endpoints}}
+
+
+def check_chat_templates(endpoints: list, tokenizer) -> dict:
+    """``--chat_completions``: each engine's own rendering of a probe conversation (through its ``/tokenize``) must
+    be the ids our chat template gives, else a SpectrainError naming the first differing position."""
+    probe = [{"role": "system", "content": "You are a helpful assistant."},
+             {"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Spain?"}]
+    ours = tokenizer(tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)["input_ids"]
+    record = {}
+    for endpoint in endpoints:
+        rendered = endpoint.rendered_chat(probe)
+        if rendered is None:
+            raise SpectrainError(f"{endpoint.url} has no /tokenize that renders a chat (vLLM's /tokenize with "
+                                 "messages, llama-server's /apply-template), so its chat template cannot be checked "
+                                 "against the verifier's: drop --chat_completions (prompts are then rendered here "
+                                 "and sent to /v1/completions)")
+        theirs, how = rendered
+        if theirs != ours:
+            j = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+            def token(ids: list[int]) -> str:
+                return f"{ids[j]} {tokenizer.decode([ids[j]])!r}" if j < len(ids) else "<end>"
+
+            raise SpectrainError(f"{endpoint.url} renders a chat with another template than the verifier's: its ids "
+                                 f"({how}) part from ours at token {j} of {len(ours)}: ours {token(ours)}, the "
+                                 f"engine's {token(theirs)}; drop --chat_completions (prompts are then rendered here) "
+                                 "or serve the verifier's template")
+        record[endpoint.url] = {"equal": True, "tokens": len(ours), "how": how}
+    return record
 
 
 def main(argv=None) -> None:

@@ -4,9 +4,11 @@ Layout of a store directory (format version 2, ``"layout": "packed"``):
 
 * ``metadata.json`` — ``format_version`` 2, verifier name and shape (hidden size, layers, vocabulary), the HF
   ``hidden_states`` indices stored (``layer_ids``; the last hidden state is always stored as ``hidden``), store
-  dtype, ``topk``, data source, extraction throughput (``extract_tokens``, ``extract_seconds``) and the list of
-  finished shards with their rows, tokens, byte sizes and SHA-256. It is rewritten atomically after every shard,
-  so an interrupted extraction resumes at the first unfinished shard.
+  dtype, ``topk``, data source, extraction throughput (``extract_tokens``, ``extract_seconds``), the rows cut at
+  the block size (``truncation``: what was counted and the counts; absent in stores extracted before it was
+  recorded, which load as before) and the list of finished shards with their rows, tokens, byte sizes and
+  SHA-256. It is rewritten atomically after every shard, so an interrupted extraction resumes at the first
+  unfinished shard.
 * ``shard-00000.safetensors`` … — rows packed end to end, no padding (every stored position is a real token):
   ``offsets`` (rows + 1,) int64 (row r is positions ``[offsets[r], offsets[r+1])``), ``input_ids`` (P,) int32,
   ``loss_mask`` (P,) uint8, ``hidden`` (P, H) and ``aux`` (P, len(layer_ids) * H) in the store dtype (bf16 by
@@ -40,6 +42,7 @@ FORMAT_VERSION = 2
 LAYOUT = "packed"
 LOGIT_CHUNK = 4096  # positions projected onto the vocabulary at a time
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+REPORTED = ("shards", "truncation")  # metadata that reports on the extraction: not compared when it resumes
 
 
 def estimate_bytes(tokens: int, hidden_size: int, num_layers: int, dtype: torch.dtype, topk: int = 0,
@@ -48,6 +51,12 @@ def estimate_bytes(tokens: int, hidden_size: int, num_layers: int, dtype: torch.
     tokens (int32 each), top-k ids (int32) and log-probabilities (fp32), row offsets (int64)."""
     width = torch.empty((), dtype=dtype).element_size()
     return tokens * (hidden_size * (1 + num_layers) * width + 4 + 1 + 4 + topk * (4 + 4)) + (rows + 1) * 8
+
+
+def store_bytes_per_token(hidden_size: int, num_layers: int, dtype: torch.dtype, topk: int = 0) -> int:
+    """Bytes a store spends per token (:func:`estimate_bytes` without the per-row offsets): what ``--dry_run``
+    reports per million tokens."""
+    return estimate_bytes(1, hidden_size, num_layers, dtype, topk) - 8  # less the one offset of an empty store
 
 
 def launcher_rank() -> tuple[int, int]:
@@ -60,7 +69,7 @@ def launcher_rank() -> tuple[int, int]:
 
 def extract(verifier, rows, out_dir: str | Path, layer_ids: tuple[int, ...], data_name: str, dtype: str = "bfloat16",
             rows_per_shard: int = 64, batch_size: int = 8, pad_id: int = 0, log=print, rank: int = 0,
-            world: int = 1, topk: int = 0) -> Path:
+            world: int = 1, topk: int = 0, truncation: dict | None = None) -> Path:
     """Run ``verifier`` (a loaded :class:`~spectrain.heads.verifier.Verifier`) over ``rows`` and store features.
 
     ``rows`` is a sequence of dicts with ``input_ids`` (and optionally ``loss_mask``), e.g. a data module's split.
@@ -68,6 +77,9 @@ def extract(verifier, rows, out_dir: str | Path, layer_ids: tuple[int, ...], dat
     own longest row; the verifier runs in the dtype it was loaded with, ``dtype`` is the store's. Every position
     gets the verifier's greedy next token; ``topk`` > 0 also stores the top-``topk`` fp32 log-probabilities.
     Resumable: finished shards recorded in ``metadata.json`` are kept, the rest is (re)written.
+    ``truncation``: the rows' cut at the block size as the data module counted it
+    (:meth:`~spectrain.data.datamodule.DrafterDataModule.truncation_entry`), kept in the metadata as ``truncation``
+    (a report, not a setting: a resumed extraction does not compare it; stores without it still load).
     Data-parallel: with ``world`` > 1 (one process per rank, e.g. under torchrun), rank r writes shards
     i with i % world == r and records them in ``metadata.rank<r>.json``; whichever rank finds every shard
     recorded writes the merged, complete ``metadata.json`` (the same content whoever writes it).
@@ -92,13 +104,16 @@ def extract(verifier, rows, out_dir: str | Path, layer_ids: tuple[int, ...], dat
             "signature": verifier_signature(config), "verifier_dtype": str(next(model.parameters()).dtype)[6:],
             "layer_ids": list(layer_ids), "dtype": dtype, "topk": topk, "data": data_name, "rows": len(rows),
             "rows_per_shard": rows_per_shard, "shards": []}
+    if truncation is not None:
+        meta["truncation"] = truncation
+    settings = [k for k in meta if k not in REPORTED]
     for old_path in [out / "metadata.json", *sorted(out.glob("metadata.rank*.json"))]:
         if not old_path.is_file():
             continue
         old = read_json(old_path, "store metadata")
         if old.get("format_version", 1) != FORMAT_VERSION:
             raise SpectrainError(f"{_format_problem(out, old)}; choose another directory or delete it")
-        same = {k: old.get(k) for k in meta if k != "shards"} == {k: v for k, v in meta.items() if k != "shards"}
+        same = {k: old.get(k) for k in settings} == {k: meta[k] for k in settings}
         if not same:
             raise SpectrainError(f"{out} holds a store made with other settings (verifier, its dtype, layers, topk, "
                                  "data or dtype); choose another directory")
@@ -318,7 +333,8 @@ def main(argv=None) -> None:
     p.add_argument("--block_size", type=int, default=128)
     p.add_argument("--layer_ids", default="auto", help="comma-separated HF hidden_states indices, or auto (low, middle and high layers: "
                    "the fusing drafters' default)")
-    p.add_argument("--out", required=True, help="store directory; gets train/ and validation/ stores")
+    p.add_argument("--out", default=None, help="store directory; gets train/ and validation/ stores (required unless "
+                   "--dry_run)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="the store's dtype for hidden states")
     p.add_argument("--verifier_dtype", default="auto",
                    help="dtype the verifier runs in (auto, bfloat16, float16, float32)")
@@ -327,7 +343,42 @@ def main(argv=None) -> None:
     p.add_argument("--batch_size", type=int, default=8, help="rows per verifier forward (grouped by length)")
     p.add_argument("--rows_per_shard", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    run_command(extract_command, p.parse_args(argv))
+    p.add_argument("--dry_run", action="store_true",
+                   help="size the store from the verifier's config alone (bytes per token and per million tokens); "
+                        "nothing is loaded or written but the JSON")
+    p.add_argument("--dry_run_out", default=None,
+                   help="with --dry_run: the JSON's path (default runs/fit/extract-<verifier>.json)")
+    args = p.parse_args(argv)
+    if not args.dry_run and not args.out:
+        p.error("--out is required (unless --dry_run)")
+    run_command(extract_dry_run if args.dry_run else extract_command, args)
+
+
+def extract_dry_run(args) -> None:
+    """``spectrain-extract --dry_run``: the store's bytes per token for this verifier, layers, dtype and top-k."""
+    from spectrain.heads.layers import spread_layers
+    from spectrain.heads.report import finish, format_table
+    from spectrain.heads.verifier_shapes import verifier_config
+
+    config, source = verifier_config(args.verifier)
+    layers = parse_layer_ids(args.layer_ids, config.num_hidden_layers, spread_layers)
+    per_token = store_bytes_per_token(config.hidden_size, len(layers), DTYPES[args.dtype], args.topk)
+    summary = {"verifier": args.verifier, "verifier_config": source, "hidden_size": config.hidden_size,
+               "layer_ids": layers, "dtype": args.dtype, "topk": args.topk, "bytes_per_token": per_token,
+               "bytes_per_million_tokens": per_token * 10 ** 6, "plus_per_row": 8,
+               "source": "data.store.estimate_bytes: exact for the tensors a shard holds (safetensors headers aside)"}
+    rows = [["verifier", f"{args.verifier} ({source})"], ["captured layers", f"{layers} + the last hidden state"],
+            ["bytes per token", f"{per_token:,}"], ["per million tokens", f"{per_token / 1e3:,.2f} GB"]]
+    out = args.dry_run_out or str(Path("runs") / "fit" / f"extract-{args.verifier.replace('/', '--').strip('.-')}.json")
+    finish(summary, out, tables=[format_table(["store", "value"], rows, title="spectrain-extract --dry_run")])
+
+
+def parse_layer_ids(text: str, num_layers: int, spread) -> list[int]:
+    """``--layer_ids``: comma-separated HF hidden_states indices, or auto (``spread(num_layers)``)."""
+    try:
+        return spread(num_layers) if text == "auto" else [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SpectrainError(f"--layer_ids takes comma-separated integers or auto, got {text!r}") from None
 
 
 def extract_command(args) -> None:
@@ -350,7 +401,7 @@ def extract_command(args) -> None:
     for split, rows in (("train", data.train_set), ("validation", data.val_set)):
         extract(verifier, rows, Path(args.out) / split, tuple(layers), data.data_name, args.dtype,
                 args.rows_per_shard, batch_size=args.batch_size, pad_id=verifier.tokenizer.pad_token_id or 0,
-                rank=rank, world=world, topk=args.topk)
+                rank=rank, world=world, topk=args.topk, truncation=data.truncation_entry())
     if world > 1 and not all((Path(args.out) / s / "metadata.json").is_file() for s in ("train", "validation")):
         print(f"rank {rank}: shards written; the store completes when every rank has finished")
         return
@@ -358,4 +409,9 @@ def extract_command(args) -> None:
         meta = read_json(Path(args.out) / split / "metadata.json")
         print(f"{split}: {len(meta['shards'])} shards, {meta['rows']} rows, {meta['extract_tokens']:,} tokens, "
               f"{meta['extract_seconds']} s ({meta['extract_tokens_per_second']:,.0f} tokens/s)")
+    print(f"rows cut at block_size: {data.truncation.describe() if data.truncation else 'none counted'} "
+          f"(counted: {data.truncation_counted})")
+    warning = data.truncation_warning()
+    if warning:
+        print(f"warning: {warning}")
     print((Path(args.out) / "train" / "metadata.json").resolve())

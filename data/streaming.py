@@ -7,7 +7,8 @@
   dataset joined with the EOS token) and cut into blocks of exactly ``block_size`` tokens, so no padding is
   wasted;
 * chat (``.jsonl`` read line by line, or HF ``messages``/``conversations`` rows): one rendered, loss-masked
-  conversation per sample.
+  conversation per sample, cut at ``block_size``; the rows cut are counted over the stream's first rows at setup
+  (:func:`sample_truncation`), the stream itself is not read whole before training.
 
 The split is by row: every ``val_every``-th row is held out (``val_every = round(1 / val_fraction)``), so
 train and validation never share a row and the split needs no pass over the data. Batches for training come
@@ -29,6 +30,7 @@ from torch.utils.data import IterableDataset
 from spectrain.heads.errors import SpectrainError
 
 from .loader import rank_and_world
+from .truncation import Truncation
 
 
 def text_lines(path: str | Path) -> Iterator[str]:
@@ -103,18 +105,31 @@ def packed_text(tokenizer, block_size: int, separator: int | None = None):
     return to_samples
 
 
-def chat_samples(tokenizer, block_size: int):
-    from .chat import render_chat, to_messages
+def chat_samples(tokenizer, block_size: int, truncation: Truncation | None = None):
+    """raw chat records -> rendered, loss-masked conversations cut to ``block_size`` (those left with no target
+    dropped); every conversation rendered is counted into ``truncation`` when one is given."""
+    from .chat import render_chat_measured, to_messages
 
     def to_samples(rows: Iterator[dict]) -> Iterator[dict]:
         for row in rows:
             messages = to_messages(dict(row))
             if not messages:
                 continue
-            sample = render_chat(messages, tokenizer, block_size)
-            if sum(sample["loss_mask"]) > 0:
-                yield sample
+            rendered = render_chat_measured(messages, tokenizer, block_size)
+            if truncation is not None:
+                rendered.count_into(truncation)
+            if rendered.kept_loss_tokens > 0:
+                yield rendered.row
     return to_samples
+
+
+def sample_truncation(rows: Iterable[dict], tokenizer, block_size: int, limit: int) -> Truncation:
+    """Rows cut at ``block_size`` among the first ``limit`` raw chat rows of a stream (both splits): a stream is
+    not read whole before training, so its count is this prefix's, rendered as training renders it."""
+    truncation = Truncation(block_size)
+    for _ in chat_samples(tokenizer, block_size, truncation)(itertools.islice(iter(rows), limit)):
+        pass
+    return truncation
 
 
 class StreamingLoader:

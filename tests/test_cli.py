@@ -18,6 +18,8 @@ from spectrain.heads.verifier import load_verifier
 from spectrain.train.cli import config_path, train
 
 CONFIGS = sorted(p.name for p in resources.files("spectrain.configs").iterdir() if p.name.endswith(".yaml"))
+# Recipes whose verifier is a real hub model: run on shape-scaled stand-ins by tests/test_real_recipes.py instead.
+REAL_VERIFIER_RECIPES = {"eagle3_llama31_8b.yaml", "eagle3_qwen3_8b.yaml", "dflash_qwen3_8b.yaml"}
 
 
 def small_args(verifier: Path, data: Path, run_dir: Path, *extra: str, logger: str = "none") -> list[str]:
@@ -135,6 +137,9 @@ def test_fast_dev_run_per_config(config, verifier_factory, text_file, tmp_path, 
 
     from spectrain.train.base import DrafterModule
 
+    if config in REAL_VERIFIER_RECIPES:
+        pytest.skip("a recipe for a real 8B verifier (a hub id, a GPU): tests/test_real_recipes.py trains it on a "
+                    "stand-in with the verifier's own vocabulary")
     init = yaml.safe_load(Path(config_path(config)).read_text())["model"]["init_args"]
     knob = init.get("train_vocab_size") or init.get("draft_vocab_size") or 0
     verifier = verifier_factory("llama", False, vocab_size_extra=knob)

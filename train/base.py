@@ -232,6 +232,22 @@ class DrafterModule(L.LightningModule):
         whose saved value (``saved``: the saved config's) stood for a default that changed since. None here."""
         return ()
 
+    # -- the fit check (train/fit.py: ``--dry_run``): each family estimates its own step --------------------------
+    @classmethod
+    def fit_drafter(cls, init_args: dict, verifier) -> torch.nn.Module:
+        """The drafter a recipe's ``init_args`` build for ``verifier`` (an HF causal LM on the ``meta`` device; the
+        caller builds under ``torch.device("meta")``): its parameter counts size the run."""
+        raise SpectrainError(f"{cls.__qualname__} gives no fit estimate: it must define fit_drafter and "
+                             "fit_activations (train/fit.py)")
+
+    @classmethod
+    def fit_activations(cls, init_args: dict, drafter: torch.nn.Module, verifier_config, batch_size: int,
+                        block_size: int, element_bytes: int):
+        """A :class:`~.fit.StepActivations`: bytes one training step of ``batch_size`` rows of ``block_size``
+        tokens keeps for backward or peaks at, activations of ``element_bytes`` each, plus its logits' shape."""
+        raise SpectrainError(f"{cls.__qualname__} gives no fit estimate: it must define fit_drafter and "
+                             "fit_activations (train/fit.py)")
+
     def build_drafter(self) -> torch.nn.Module:
         raise NotImplementedError
 

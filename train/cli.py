@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import socket
 import sys
 import time
@@ -95,6 +96,8 @@ class SpectrainCLI(LightningCLI):
     """LightningCLI that adds the run directory, logger choice and the best-drafter checkpoint."""
 
     def __init__(self, default_config: str | None, args=None):
+        self.default_config, self.args = default_config, list(sys.argv[1:] if args is None else args)
+        self.fit_path: Optional[Path] = None  # --dry_run: the fit check's JSON (nothing is instantiated)
         super().__init__(  # the recipe names its module (model.class_path), as torchgeo's configs do
             DrafterModule, DrafterDataModule, subclass_mode_model=True, run=False, save_config_callback=None,
             auto_configure_optimizers=False, seed_everything_default=0, args=args,
@@ -122,6 +125,15 @@ class SpectrainCLI(LightningCLI):
         parser.add_argument("--logger", type=Literal["wandb", "csv", "tensorboard", "none"], default="wandb",
                             help="wandb (offline when no API key or network), csv, tensorboard or none")
         parser.add_argument("--wandb_project", type=str, default="spectrain", help="W&B project name")
+        parser.add_argument("--dry_run", type=bool, default=False,
+                            help="estimate the run's memory per device from the recipe and the verifier's config "
+                                 "alone (train/fit.py: docs/training.md 'Will it fit?'); nothing is loaded or trained, "
+                                 "no run directory is made")
+        parser.add_argument("--device_memory", type=Optional[float], default=None,
+                            help="with --dry_run: GiB per device; says whether the run fits and the largest "
+                                 "data.block_size that does")
+        parser.add_argument("--fit_out", type=Optional[str], default=None,
+                            help="with --dry_run: the JSON's path (default runs/fit/<method>-<verifier>.json)")
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config
@@ -152,7 +164,11 @@ class SpectrainCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         """As LightningCLI's, but a module's bad-input error reaches the user as it was raised: jsonargparse takes
-        any ValueError from a subclass's ``__init__`` (SpectrainError is one) for "not this type" and rewraps it."""
+        any ValueError from a subclass's ``__init__`` (SpectrainError is one) for "not this type" and rewraps it.
+        ``--dry_run`` instantiates nothing: the fit check runs on the parsed config instead."""
+        if self.config.dry_run:
+            self.fit_path = self.fit_check()
+            return
         try:
             super().instantiate_classes()
         except ValueError as e:
@@ -162,6 +178,42 @@ class SpectrainCLI(LightningCLI):
             if cause is None:
                 raise
             raise cause from None
+
+    def fit_check(self) -> Path:
+        """``--dry_run``: the recipe's memory per device (:func:`~.fit.fit_check`), from its config alone."""
+        from spectrain.heads.families import resolve_class_path
+
+        from .fit import Recipe, fit_check
+
+        cfg = self.config
+        if not self.names_block_size():
+            raise SpectrainError("the recipe names no data.block_size: the fit check needs the sequence length the "
+                                 "run trains at (set it in the recipe or pass --data.block_size N)")
+        devices = cfg.trainer.get("devices")
+        devices = devices if isinstance(devices, int) and devices > 0 else len(devices) if isinstance(devices, list) else 1
+        model = cfg.model.init_args
+        recipe = Recipe(module=resolve_class_path(cfg.model.class_path), init_args=model.as_dict(),
+                        verifier_dtype=getattr(torch, model.verifier_dtype), precision=str(cfg.trainer.precision),
+                        batch_size=cfg.data.batch_size, block_size=cfg.data.block_size,
+                        accumulation=int(cfg.trainer.get("accumulate_grad_batches") or 1),
+                        devices=devices * int(cfg.trainer.get("num_nodes") or 1), data_path=cfg.data.path)
+        out = cfg.fit_out or str(Path("runs") / "fit" / f"{self.method}-{Path(self.run_dir).name.split('-', 1)[-1]}.json")
+        return fit_check(recipe, model.verifier, Path(out), cfg.device_memory, model.trust_remote_code,
+                         command=shlex.join([PROGRAMS.get(self.default_config, "spectrain-train"), *self.args]))
+
+    def names_block_size(self) -> bool:
+        """Whether the command line or a recipe file (the default one or a ``--config``) sets data.block_size."""
+        import yaml
+
+        if any(arg.split("=")[0] == "--data.block_size" for arg in self.args):
+            return True
+        files = ([config_path(self.default_config)] if self.default_config else []) + \
+            [str(p) for p in (self.config.get("config") or [])]
+        for file in files:
+            recipe = yaml.safe_load(Path(file).read_text()) or {}
+            if (recipe.get("data") or {}).get("block_size") is not None:
+                return True
+        return False
 
     def instantiate_trainer(self, **kwargs):
         cfg = self.config
@@ -206,6 +258,11 @@ class SpectrainCLI(LightningCLI):
         return logger
 
 
+# The console script of each default recipe (what a recorded command line names).
+PROGRAMS = {"medusa_tinyshakespeare.yaml": "train_medusa", "eagle3_tinyshakespeare.yaml": "train_eagle",
+            "dflash_tinyshakespeare.yaml": "train_dflash"}
+
+
 def recipe_method(model_config) -> str:
     """What a parsed ``model`` section (class_path + init_args) trains: its module's
     :meth:`~.base.DrafterModule.method_for`, a method of a registered drafter family."""
@@ -222,6 +279,8 @@ def train(default_config: str | None, args=None) -> Path:
     t0 = time.time()
     quiet_console()
     cli = SpectrainCLI(default_config, args=args)
+    if cli.fit_path is not None:  # --dry_run: the fit check, nothing trained
+        return cli.fit_path
     model, data, trainer, run_dir = cli.model, cli.datamodule, cli.trainer, cli.run_dir
     data.setup("fit")  # bad data fails here, before the run directory exists
     if data.block_size > model.verifier_context:

@@ -38,6 +38,7 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.verifier import LogitTransform, drafter_embedding
 
 from .base import DrafterModule
+from .fit import StepActivations
 from .losses import acceptance_loss, projected_topk
 from .strategies import unwrapped
 
@@ -177,6 +178,38 @@ class DFlashModule(DrafterModule):
     def method_for(cls, init_args) -> str:
         heads = getattr(init_args, "markov_rank", 0) or getattr(init_args, "confidence_head", False)
         return "dspark" if heads else "dflash"
+
+    @classmethod
+    def fit_drafter(cls, init_args: dict, verifier) -> DFlashDrafter:
+        return DFlashDrafter(DFlashConfig.for_verifier(
+            verifier, init_args.get("num_layers", 1), init_args.get("block_size", 8), init_args.get("target_layer_ids"),
+            init_args.get("mask_token_id"), init_args.get("markov_rank", 0), init_args.get("confidence_head", False),
+            init_args.get("sample_from_anchor", False)))
+
+    @classmethod
+    def fit_activations(cls, init_args: dict, drafter: DFlashDrafter, verifier_config, batch_size: int,
+                        block_size: int, element_bytes: int) -> StepActivations:
+        """Anchors x block rows per row (Q = min(anchors, T - 2) x block) through every drafter layer, each keeping
+        ~9h + 4I + 6 heads d + 5 kv_heads d per block row (input, both norms, q / k normed and rotated, attention
+        output and its copy, the MLP's four I-wide tensors) and its keys / values over context + block (T + Q);
+        backward holds one layer's worth of gradients at a time (one more layer); the context's fused input once in
+        fp32 and each layer's context keys / values (~5 kv_heads d per position);
+        the block mask (one byte per (Q, T + Q) pair). Logits: every draft slot x the training vocabulary, kept
+        whole (a block drafter's loss does not chunk)."""
+        c = drafter.config
+        B, T, h, kv = batch_size, block_size, c.hidden_size, c.num_kv_heads * c.head_dim
+        anchors = max(1, min(int(init_args.get("anchors", 16)), T - 2))
+        Q = anchors * c.block_size
+        layers = c.num_hidden_layers
+        per_row = 9 * h + 4 * c.intermediate_size + 6 * c.num_heads * c.head_dim + 5 * kv
+        parts = {"block_layers": B * Q * (layers * per_row + 3 * h) * element_bytes,
+                 "backward_transient": B * Q * per_row * element_bytes,  # one layer's gradients at a time
+                 "context": B * T * (len(c.target_layer_ids) * h * 4 + (3 * h + layers * 5 * kv) * element_bytes),
+                 "attention_keys": B * layers * 2 * (T + Q) * kv * element_bytes,
+                 "block_mask": B * Q * (T + Q)}
+        vocab = init_args.get("train_vocab_size") or c.vocab_size
+        return StepActivations(parts, B * anchors * c.drafts, vocab, chunkable=False,
+                               captured_layers=c.capture_ids)
 
     def build_drafter(self) -> DFlashDrafter:
         config = DFlashConfig.for_verifier(self.verifier, self.num_layers, self.block_size, self.target_layer_ids,

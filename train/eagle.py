@@ -8,12 +8,13 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from spectrain.heads.eagle import EagleDrafter, build_vocab_map
+from spectrain.heads.eagle import NORM_FLAGS, EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.verifier import drafter_embedding
 from spectrain.heads.vocab import token_counts
 
 from .base import DrafterModule
+from .fit import StepActivations
 from .losses import projected_topk
 from .strategies import unwrapped
 
@@ -109,6 +110,37 @@ class EagleModule(DrafterModule):
         if "aux_layer_ids" in saved and saved["aux_layer_ids"] is None:
             ignored += ("aux_layer_ids",)
         return ignored
+
+    @classmethod
+    def fit_drafter(cls, init_args: dict, verifier) -> EagleDrafter:
+        flags = {flag: bool(init_args.get(flag, False)) for flag in NORM_FLAGS}
+        return EagleDrafter.for_verifier(verifier, init_args.get("variant") or "eagle3",
+                                         init_args.get("draft_vocab_size"), init_args.get("aux_layer_ids"), **flags)
+
+    @classmethod
+    def fit_activations(cls, init_args: dict, drafter: EagleDrafter, verifier_config, batch_size: int,
+                        block_size: int, element_bytes: int) -> StepActivations:
+        """Per TTT step and position the layer keeps ~16h + 4I + 3 (heads + kv_heads) d activations (its input,
+        both norms, q / k / v rotated, attention output, MLP's four I-wide tensors, the final norm and the loss's
+        gathered states), later steps also their stacked own keys and values; backward holds one step's worth of
+        gradients at a time (one more step); the fused input is kept once in fp32.
+        Steps >= 1 recompute their attention in backward: one step's (T, T) scores peak at ~4 fp32 copies
+        (scores, masked, with the own-key scores, softmax) whatever the depth. Logits: the loss's rows over
+        every step x the draft vocabulary (eagle1: the training vocabulary)."""
+        c = drafter.config
+        steps = int(init_args.get("ttt_steps", 7)) if c.variant == "eagle3" else 1
+        B, n, h = batch_size, block_size - 1, c.hidden_size
+        positions = B * n
+        per_step = 16 * h + 4 * c.intermediate_size + 3 * (c.num_heads + c.num_kv_heads) * c.head_dim
+        own_keys = sum(2 * step * c.num_kv_heads * c.head_dim for step in range(1, steps))
+        parts = {"ttt_layer": positions * (steps * per_step + own_keys) * element_bytes,
+                 "backward_transient": positions * per_step * element_bytes,  # one step's gradients at a time
+                 "fused_input": positions * (c.fused_width + h) * 4}
+        if steps > 1:
+            parts["ttt_attention_scores"] = 4 * B * c.num_heads * n * n * 4
+        rows = sum(B * max(block_size - 2 - i, 0) for i in range(steps))
+        vocab = c.draft_vocab_size if c.variant == "eagle3" else (init_args.get("train_vocab_size") or c.vocab_size)
+        return StepActivations(parts, rows, vocab, captured_layers=tuple(c.aux_layer_ids or ()))
 
     def build_drafter(self) -> EagleDrafter:
         drafter = EagleDrafter.for_verifier(self.verifier, self.variant, self.draft_vocab_size, self.aux_layer_ids,

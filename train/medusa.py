@@ -11,6 +11,7 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.medusa import MedusaHeads
 
 from .base import DrafterModule
+from .fit import StepActivations
 from .losses import projected_cross_entropy, projected_topk
 
 Target = Literal["ground_truth", "greedy", "soft"]
@@ -53,6 +54,24 @@ class MedusaModule(DrafterModule):
         self.num_heads, self.num_layers, self.shared_lm_head = num_heads, num_layers, shared_lm_head
         self.target, self.loss_decay = target, loss_decay
         super().__init__(**kwargs)
+
+    @classmethod
+    def fit_drafter(cls, init_args: dict, verifier) -> MedusaHeads:
+        return MedusaHeads.for_verifier(verifier, init_args.get("num_heads", 4), init_args.get("num_layers", 1),
+                                        init_args.get("shared_lm_head", False))
+
+    @classmethod
+    def fit_activations(cls, init_args: dict, drafter: MedusaHeads, verifier_config, batch_size: int,
+                        block_size: int, element_bytes: int) -> StepActivations:
+        """Per head and position: each ResBlock keeps its input and SiLU pre- and post-activation (3h), the head's
+        gathered states (h); the fp32 copy of the last hidden state once. Logits: every head's rows x the
+        training vocabulary."""
+        c = drafter.config
+        heads, positions, h = c.num_heads, batch_size * block_size, c.hidden_size
+        parts = {"heads": heads * positions * (3 * c.num_layers + 1) * h * element_bytes,
+                 "hidden_fp32": positions * h * 4}
+        rows = sum(batch_size * max(block_size - k - 2, 0) for k in range(heads))
+        return StepActivations(parts, rows, init_args.get("train_vocab_size") or c.vocab_size)
 
     def build_drafter(self) -> MedusaHeads:
         return MedusaHeads.for_verifier(self.verifier, self.num_heads, self.num_layers, self.shared_lm_head,

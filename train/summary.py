@@ -28,6 +28,8 @@ def build_summary(cli, best: str, fit_seconds: float, wall_seconds: float) -> di
         "data": data.data_name,
         "data_format": data.resolved_format(),
         "skipped_rows": data.skipped,
+        # Rows cut at block_size: what was counted, the counts, and the warning (None at or below 5 %).
+        "truncation": {**data.truncation_entry(), "warning": data.truncation_warning()},
         "target": getattr(model, "target", None),
         "steps": trainer.global_step,
         "fit_seconds": round(fit_seconds, 1),
@@ -58,5 +60,15 @@ def summary_tables(summary: dict) -> list[str]:
           if summary.get("tau_measured") is not None else []),
         *([["target", summary["target"]]] if summary["target"] else []), ["steps", summary["steps"]],
         ["train tokens/s", summary["train_tokens_per_second"]], ["wall seconds", summary["wall_seconds"]],
+        ["rows cut at block_size", truncation_fact(summary["truncation"])],
     ])
-    return [per_head, facts]
+    warning = summary["truncation"]["warning"]
+    return [per_head, facts] + ([f"warning: {warning}"] if warning else [])
+
+
+def truncation_fact(entry: dict) -> str:
+    """The summary table's cell for the ``truncation`` entry: the counts, or why there are none."""
+    if "rows" not in entry:
+        return entry["counted"].split(":")[0]  # "none (packed text)" / "not recorded (older store)"
+    return (f"{entry['rows_cut']} of {entry['rows']} ({100 * entry['row_fraction']:.1f} %), {entry['loss_tokens_cut']} "
+            f"of {entry['loss_tokens']} loss tokens ({100 * entry['loss_token_fraction']:.1f} %)")
