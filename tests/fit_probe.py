@@ -6,7 +6,7 @@
 * ``step_peak_bytes``: per training step after the first (the optimizer's states exist, the gradients of the step
   before are freed: the steady state), the peak RSS during the step (forward, backward, optimizer step) above the
   RSS at its start. Before each step freed heap memory is handed back (``malloc_trim``) and the kernel's RSS
-  high-water mark reset (``/proc/self/clear_refs``), so the peak is this step's own, read with ``ru_maxrss``.
+  high-water mark reset (``/proc/self/clear_refs``), so the peak is this step's own, read as ``VmHWM``.
 * ``verifier_weight_bytes``, ``drafter_params`` / ``drafter_trainable``, ``optimizer_state_bytes``: counted from
   the live objects (what the estimate predicts exactly).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
 import sys
 
 import lightning as L
@@ -24,12 +23,17 @@ import lightning as L
 OUT_ENV = "SPECTRAIN_FIT_PROBE_OUT"
 
 
-def current_rss() -> int:
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def current_rss() -> int:
+    return status_bytes("VmRSS")
 
 
 def reset_peak() -> int:
@@ -41,7 +45,9 @@ def reset_peak() -> int:
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This address space's RSS high-water mark since the last reset (``VmHWM``). Not ``ru_maxrss``: execve keeps
+    the forked parent's high-water mark in it (the pytest process that spawned this one, GBs after a long suite)."""
+    return status_bytes("VmHWM")
 
 
 class StepPeak(L.Callback):

@@ -41,6 +41,11 @@ FACTS: dict[str, dict[str, str]] = {
     "docs/dflash.md": {"0.1": "DSpark's loss weights (0.1·CE + 0.9·TV: the method's setting)",
                        "0.9": "DSpark's loss weights (0.1·CE + 0.9·TV: the method's setting)"},
     "docs/results.md": {"16,000": "a draft-vocabulary setting of an old recipe"},
+    "docs/own-model.md": {"1.94": "a τ quoted from SpecForge's issue #128 (a user's Qwen2.5-7B run there), named as theirs",
+                          "4,096": "Llama-3.1-8B's hidden size (its config.json, shipped in configs/verifiers/)"},
+    "docs/training.md": {"0.5": "the served-verifier check's near-tie bound for bf16 (a setting: --near_tie's default)",
+                         "0.0625": "the check's near-tie bound for fp16 (a setting: --near_tie's default)",
+                         "0.02": "the check's near-tie bound for fp32 (a setting: --near_tie's default)"},
     "docs/smollm2.md": {"1.0": "the recipe's gradient-clipping setting"},
     "docs/eagle.md": {"0.1": "EAGLE-1's soft-CE loss weight (a setting: SmoothL1 + 0.1 × soft CE)"},
     "docs/evaluation.md": {
