@@ -219,7 +219,8 @@ class Endpoint:
         payload = self.request("POST", "/tokenize", {"model": self.model, "messages": messages,
                                                      "add_generation_prompt": True, "add_special_tokens": False},
                                refused_ok=True)
-        if isinstance(payload, dict) and _int_list(payload.get("tokens")):
+        # Non-empty: llama-server's /tokenize answers a body without "content" with 200 and no tokens.
+        if isinstance(payload, dict) and _int_list(payload.get("tokens")) and payload["tokens"]:
             return payload["tokens"], "POST /tokenize {messages} (vLLM)"
         rendered = self.request("POST", "/apply-template", {"messages": messages}, refused_ok=True)
         if isinstance(rendered, dict) and isinstance(rendered.get("prompt"), str):

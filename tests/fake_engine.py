@@ -65,6 +65,13 @@ class FakeEngine:
     def route(self, handler, method: str, body) -> None:
         if method == "GET" and handler.path == "/v1/models":
             return self.send(handler, 200, {"object": "list", "data": [{"id": self.name, "object": "model"}]})
+        if self.layout == "llama" and handler.path == "/tokenize":  # llama-server: text only; no "content", no tokens
+            ids = self.tokenizer(body.get("content", ""), add_special_tokens=False)["input_ids"]
+            return self.send(handler, 200, {"tokens": ids if "content" in body else []})
+        if self.layout == "llama" and handler.path == "/apply-template":  # llama-server: the chat as its template's text
+            text = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False,
+                                                      chat_template=self.template)
+            return self.send(handler, 200, {"prompt": text})
         if handler.path == "/tokenize" and "messages" in body:  # vLLM's chat form
             return self.send(handler, 200, {"tokens": self.render(body["messages"]), "count": 0})
         if handler.path not in ("/v1/completions", "/v1/chat/completions"):

@@ -172,8 +172,11 @@ def test_bad_answers_are_named_and_nothing_is_half_written(tmp_path, tiny, data_
     assert not out.exists() or out.read_text() == ""
 
 
-def test_chat_completions_after_the_template_check(tmp_path, tiny, data_file, engine, local_rows, capsys):
-    e = engine()
+@pytest.mark.parametrize("layout", ["vllm", "llama"])
+def test_chat_completions_after_the_template_check(tmp_path, tiny, data_file, engine, local_rows, capsys, layout):
+    """vLLM renders the chat in /tokenize; llama-server through /apply-template + /tokenize (its /tokenize answers a
+    messages body with no tokens, which must not pass for a rendering)."""
+    e = engine(layout=layout)
     out = tmp_path / "d.jsonl"
     capsys.readouterr()
     distill_mod.main(argv(tiny, data_file, out, e.url, extra=["--chat_completions"]))
@@ -182,7 +185,7 @@ def test_chat_completions_after_the_template_check(tmp_path, tiny, data_file, en
     assert conversations(out) == conversations(local_rows)
 
     other_template = tiny[1].tokenizer.chat_template.replace("{{", "SYSTEM NOTE {{", 1)
-    bad = engine(template=other_template)
+    bad = engine(template=other_template, layout=layout)
     out2 = tmp_path / "d2.jsonl"
     with pytest.raises(SystemExit):
         distill_mod.main(argv(tiny, data_file, out2, bad.url, extra=["--chat_completions"]))

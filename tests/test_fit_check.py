@@ -132,6 +132,11 @@ def test_shipped_shapes_size_the_8b_recipes(tmp_path):
     assert dflash["captured_layers"] == [2, 10, 18, 26, 34]  # target layers [1, 9, 17, 25, 33] + 1
     assert dflash["logit_rows"] == 512 * 15 and dflash["logit_vocab"] == 151936
     assert dflash["tokens_per_optimizer_step"] == 3072 * 4
+    # The page's multi-GPU line: --trainer.devices 8 (parsed as the string '8') and 2 nodes count every device.
+    eight = dry_run("eagle3_llama31_8b.yaml", "--trainer.devices", "8", "--trainer.num_nodes", "2",
+                    out=tmp_path / "eight.json")
+    assert eight["devices"] == 16 and eight["tokens_per_optimizer_step"] == 4096 * 16
+    assert eight["total_bytes"] == fit["total_bytes"]  # memory is per device
 
 
 def test_bad_input_is_named(tmp_path, verifier_factory):

@@ -190,6 +190,8 @@ class SpectrainCLI(LightningCLI):
             raise SpectrainError("the recipe names no data.block_size: the fit check needs the sequence length the "
                                  "run trains at (set it in the recipe or pass --data.block_size N)")
         devices = cfg.trainer.get("devices")
+        if isinstance(devices, str) and devices.isdigit():  # jsonargparse parses --trainer.devices 8 as the str '8'
+            devices = int(devices)
         devices = devices if isinstance(devices, int) and devices > 0 else len(devices) if isinstance(devices, list) else 1
         model = cfg.model.init_args
         recipe = Recipe(module=resolve_class_path(cfg.model.class_path), init_args=model.as_dict(),
