@@ -323,6 +323,9 @@ class ServedAsk:
         return reply, self.tokenizer(reply, add_special_tokens=False)["input_ids"]
 
 
+REFUSALS_TO_STOP = 8  # refused first requests, when no fewer were answered, that stop a served run
+
+
 @dataclass
 class Conversation:
     """One finished conversation of a served run: its row and what it counted."""
@@ -331,11 +334,16 @@ class Conversation:
     tokens: int = 0
     looped: bool = False
     prompt_too_long: bool = False
+    refused: str | None = None  # the engine's 4xx message for the turn it refused
+    refused_turn: int | None = None
+    refused_by: str | None = None  # the endpoint's URL
 
 
 def converse(endpoint, item: tuple, ask: ServedAsk, settings: dict) -> Conversation:
     """One conversation's turns in order on one endpoint (each turn sees the earlier replies), the loop filter and
     the prompt cap as the local loop applies them. Seeds: ``seed + id * 1000 + turn`` per conversation turn."""
+    from .engine import RequestRefused
+
     i, system, pairs = item
     history = [{"role": "system", "content": system}] if system else []
     result = Conversation(row={})
@@ -346,7 +354,12 @@ def converse(endpoint, item: tuple, ask: ServedAsk, settings: dict) -> Conversat
             history.pop()
             result.prompt_too_long = turn == 0
             break
-        reply, ids = ask.reply(endpoint, history, settings, settings["seed"] + i * 1000 + turn)
+        try:
+            reply, ids = ask.reply(endpoint, history, settings, settings["seed"] + i * 1000 + turn)
+        except RequestRefused as e:  # this conversation's request (e.g. past the engine's context): the others go on
+            history.pop()
+            result.refused, result.refused_turn, result.refused_by = f"HTTP {e.code}: {e.message}", turn, endpoint.url
+            break
         if looping(ids):
             history.pop()
             result.looped = True
@@ -361,15 +374,33 @@ def distill_served(endpoints: list, ask: ServedAsk, records: list[dict], out: Pa
                    served_run: dict, in_flight: int, log=print) -> dict:
     """:func:`distill` with the replies from OpenAI-compatible endpoints: ``in_flight`` conversations per endpoint
     from one shared queue, each conversation one unit of work on one endpoint, rows appended whole (and synced) by
-    this thread as conversations finish; an endpoint that goes down is dropped and its conversations requeued."""
+    this thread as conversations finish; an endpoint that goes down is dropped and its conversations requeued.
+
+    A request the engine refuses (4xx) ends that conversation only: refused at its first turn it is counted and not
+    written (a rerun asks again), at a later turn its earlier turns are written. When refusals are the rule (at
+    least :data:`REFUSALS_TO_STOP` and no fewer than the conversations answered), the run stops with the engine's
+    message: that is a setting the engine rejects, not a conversation."""
     from .engine import run_pool
 
     done = prepare_output(out, settings, served_run)
     todo, skipped = conversations_todo(records, settings, done)
-    counts = {"written": 0, "generated_tokens": 0, "loops_dropped": 0, "prompt_too_long": 0}
+    counts = {"written": 0, "generated_tokens": 0, "loops_dropped": 0, "prompt_too_long": 0, "refused": 0,
+              "turns_refused": 0}
+    refusals: dict[str, int] = {}
     t0 = time.time()
     with open(out, "a", encoding="utf-8") as f:
         def write(item: tuple, conversation: Conversation) -> None:
+            if conversation.refused:
+                refusals[conversation.refused] = refusals.get(conversation.refused, 0) + 1
+                if conversation.refused_turn == 0:
+                    counts["refused"] += 1
+                    if counts["refused"] >= REFUSALS_TO_STOP and counts["refused"] >= counts["written"]:
+                        raise SpectrainError(
+                            f"the engine refused {counts['refused']} conversations' first request (answered: "
+                            f"{counts['written']}); {conversation.refused_by} said: {conversation.refused}. Everything answered so far "
+                            "is on disk: mend the setting it names and rerun the same command to resume")
+                    return
+                counts["turns_refused"] += 1
             append_rows(f, [conversation.row])
             counts["written"] += 1
             counts["generated_tokens"] += conversation.tokens
@@ -383,7 +414,7 @@ def distill_served(endpoints: list, ask: ServedAsk, records: list[dict], out: Pa
                         write, log)
     return {"already_done": len(done), **counts, "skipped_without_user_turn": skipped,
             "seconds": round(time.time() - t0, 1), "finished_by_endpoint": pool.finished,
-            "dropped_endpoints": pool.dropped}
+            "dropped_endpoints": pool.dropped, "refusals": refusals}
 
 
 def mix(paths: list[str], tokenizer) -> list[dict]:
@@ -538,6 +569,9 @@ def run(args) -> Path:
         summary["served"] = served
         lines += [[f"conversations from {url}", n] for url, n in counts["finished_by_endpoint"].items()]
         lines += [[f"dropped {url}", why] for url, why in counts["dropped_endpoints"].items()]
+        lines += [["conversations refused by the engine (not written)", counts["refused"]],
+                  ["conversations cut at a refused later turn", counts["turns_refused"]]]
+        lines += [[f"refusal x{n}", message[:100]] for message, n in counts["refusals"].items()]
         lines.append(["served-verifier check", check_line(served["verifier_check"])])
     if args.block_size:
         truncation = count_truncation(rows, tokenizer, args.block_size)

@@ -41,7 +41,7 @@ import urllib.request
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 from spectrain.heads.errors import SpectrainError
 
@@ -70,6 +70,15 @@ class EndpointDown(Exception):
     def __init__(self, url: str, reason: str):
         super().__init__(f"{url}: {reason}")
         self.url, self.reason = url, reason
+
+
+class RequestRefused(SpectrainError):
+    """A 4xx answer: the engine refused this request (a prompt past its context, a parameter it rejects, a wrong
+    model name or key). Retrying cannot mend it; ``code`` and ``message`` are the engine's."""
+
+    def __init__(self, text: str, code: int, message: str):
+        super().__init__(text)
+        self.code, self.message = code, message
 
 
 @dataclass
@@ -114,9 +123,9 @@ class Endpoint:
     """One OpenAI-compatible server: ``Endpoint("http://host:8000")`` (a trailing ``/v1`` is accepted).
 
     Requests that fail by the connection (refused, reset, timeout) or with a 5xx are retried ``retries`` times with
-    exponential backoff (``backoff``, 2x ``backoff``, ... seconds), then raise :class:`EndpointDown`. A 4xx or a body
-    that is not JSON is a :class:`SpectrainError` naming the endpoint and the engine's message: retrying cannot mend
-    a request the engine refuses or an answer we cannot read.
+    exponential backoff (``backoff``, 2x ``backoff``, ... seconds), then raise :class:`EndpointDown`. A 4xx is a
+    :class:`RequestRefused` and a body that is not JSON a :class:`SpectrainError`, each naming the endpoint and the
+    engine's message: retrying cannot mend a request the engine refuses or an answer we cannot read.
     """
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0, retries: int = 3,
@@ -149,7 +158,8 @@ class Endpoint:
                 if e.code < 500:
                     if refused_ok:
                         return None
-                    raise SpectrainError(f"{self.url} answered HTTP {e.code} to {method} {path}: {message}") from None
+                    raise RequestRefused(f"{self.url} answered HTTP {e.code} to {method} {path}: {message}", e.code,
+                                         message) from None
                 last = f"HTTP {e.code} to {method} {path}: {message}"
             except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout,
                     http.client.HTTPException) as e:
@@ -352,6 +362,14 @@ class Parting:
         """Allowed: the local margin is known and every known margin is at most ``bound``."""
         margins = [m for m in (self.local_margin, self.served_margin) if m is not None]
         return self.local_margin is not None and all(m <= bound for m in margins)
+
+
+def kernel_spread(partings: Iterable[Parting | None]) -> float:
+    """The largest known margin among an engine's partings from *itself* (its 1-slot replies against its N-slot
+    ones; 0 when they never part): how far batching moves a logit margin in that engine, so a parting from our
+    loop within it is kernel noise, not another model."""
+    return max((max(m for m in (p.local_margin, p.served_margin) if m is not None) for p in partings
+                if p is not None and (p.local_margin is not None or p.served_margin is not None)), default=0.0)
 
 
 def first_parting(local_ids: list[int], local_margins: list[float], served: list[int],

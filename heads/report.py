@@ -23,6 +23,14 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
     return "\n".join(out)
 
 
+def median_range(values: Sequence[float], digits: int = 2) -> dict:
+    """Repeated measurements as the benchmarks report them: median, min, max and every run, rounded."""
+    import statistics
+
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits), "runs": [round(v, digits) for v in values]}
+
+
 def finish(summary: dict, path: str | Path, tables: Sequence[str] = ()) -> Path:
     """Write the JSON summary atomically, print the tables, and print its path as the last stdout line."""
     path = write_json(path, summary)

@@ -17,12 +17,15 @@ class FakeEngine:
 
     ``fault``: ``"bad_json"``, ``"missing_text"``, ``"http400"``, ``"http503"`` answer every completion so;
     ``die_after=N``: after N completion requests every request is dropped without an answer (a dead engine);
-    ``template``: the chat template its ``/tokenize`` and chat route render with (default: the model's own)."""
+    ``template``: the chat template its ``/tokenize`` and chat route render with (default: the model's own);
+    ``max_context=N``: a completion whose prompt plus ``max_tokens`` is past N tokens is refused (HTTP 400, vLLM's
+    message); ``refuse_text``: a prompt containing this text is refused (HTTP 400)."""
 
-    def __init__(self, verifier, *, name="tiny", layout="vllm", fault=None, die_after=None, template=None):
+    def __init__(self, verifier, *, name="tiny", layout="vllm", fault=None, die_after=None, template=None,
+                 max_context=None, refuse_text=None):
         self.model, self.tokenizer = verifier.model, verifier.tokenizer
         self.name, self.layout, self.fault, self.die_after = name, layout, fault, die_after
-        self.template = template
+        self.template, self.max_context, self.refuse_text = template, max_context, refuse_text
         self.lock, self.completions, self.prompts = threading.Lock(), 0, []
         engine = self
 
@@ -93,6 +96,11 @@ class FakeEngine:
         prompt = self.render(body["messages"]) if chat else body["prompt"]
         if isinstance(prompt, str):
             prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if self.max_context and len(prompt) + body["max_tokens"] > self.max_context:
+            return self.send(handler, 400, {"error": {"message": f"This model's maximum context length is "
+                                                                 f"{self.max_context} tokens", "code": 400}})
+        if self.refuse_text and self.refuse_text in self.tokenizer.decode(prompt):
+            return self.send(handler, 400, {"error": {"message": "prompt refused by policy", "code": 400}})
         self.prompts.append(prompt)
         ids, tops = self.generate(prompt, body["max_tokens"], body["temperature"], body.get("seed"),
                                   body.get("top_logprobs") if chat else body.get("logprobs"))

@@ -8,8 +8,10 @@ import json
 import pytest
 
 import spectrain.data.distill as distill_mod
-from spectrain.data.engine import Completion, Endpoint, EndpointDown, Parting, first_parting, parse_completion
+from spectrain.data.engine import (Completion, Endpoint, EndpointDown, Parting, first_parting, kernel_spread,
+                                   parse_completion)
 from spectrain.heads.errors import SpectrainError
+from spectrain.heads.report import median_range
 from spectrain.heads.verifier import load_verifier
 from tests.fake_engine import FakeEngine
 
@@ -159,7 +161,7 @@ def test_the_only_endpoint_dying_stops_and_a_rerun_resumes(tmp_path, tiny, data_
 @pytest.mark.parametrize("fault, message", [
     ("bad_json", "answered POST /v1/completions with something that is not JSON"),
     ("missing_text", "malformed answer to POST /v1/completions: choices[0] has no text"),
-    ("http400", "answered HTTP 400 to POST /v1/completions: engine says no (400)"),
+    ("http400", "said: HTTP 400: engine says no (400). Everything answered so far is on disk"),
     ("http503", "HTTP 503 to POST /v1/completions: engine says no (503) (after 2 tries)"),
 ])
 def test_bad_answers_are_named_and_nothing_is_half_written(tmp_path, tiny, data_file, engine, fault, message, capsys):
@@ -170,6 +172,35 @@ def test_bad_answers_are_named_and_nothing_is_half_written(tmp_path, tiny, data_
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and e.url in err and message in err
     assert not out.exists() or out.read_text() == ""
+
+
+def test_a_refused_request_ends_its_conversation_only(tmp_path, tiny, data_file, engine, local_rows, capsys):
+    """A 4xx on one conversation's request (past the engine's context, or refused outright) ends that conversation;
+    the others are written as the local loop writes them; a rerun asks the unwritten one again."""
+    tok = tiny[1].tokenizer
+    local = conversations(local_rows)
+    first = [tok(tok.apply_chat_template([{"role": "user", "content": c[0]["value"]}], add_generation_prompt=True,
+                                         tokenize=False), add_special_tokens=False)["input_ids"] for c, _ in local.values()]
+    second = [tok(tok.apply_chat_template([{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                                           for t in c[:3]], add_generation_prompt=True, tokenize=False),
+                  add_special_tokens=False)["input_ids"] for c, _ in local.values() if len(c) >= 3]
+    context = max(map(len, first)) + 6  # every first turn fits with its 6-token reply; no second turn does
+    assert min(map(len, second)) + 6 > context and len(second) == len(local) == 8
+    e = engine(max_context=context, refuse_text="king 3")
+    out = tmp_path / "d.jsonl"
+    capsys.readouterr()
+    skip = ["--skip_verifier_check"]  # its probes are longer than this engine's tiny context
+    distill_mod.main(argv(tiny, data_file, out, e.url, extra=skip))
+    summary = summary_of(capsys)
+    assert summary["refused"] == 1 and summary["turns_refused"] == 7 and summary["rows"] == 7
+    assert summary["refusals"] == {"HTTP 400: prompt refused by policy": 1,
+                                   f"HTTP 400: This model's maximum context length is {context} tokens": 7}
+    written = conversations(out)
+    assert 3 not in written and {i: c[:2] for i, (c, _) in local.items() if i != 3 and c[1]["value"]} == \
+        {i: c for i, (c, _) in written.items() if c[1]["value"]}
+    distill_mod.main(argv(tiny, data_file, out, e.url, extra=skip))  # resumes: only conversation 3 is asked again
+    summary = summary_of(capsys)
+    assert summary["already_done"] == 7 and summary["refused"] == 1 and summary["written"] == 0
 
 
 @pytest.mark.parametrize("layout", ["vllm", "llama"])
@@ -231,6 +262,12 @@ def test_parse_and_parting_logic():
     assert p == Parting(1, 2, 4, 0.01, None) and p.near_tie(0.02) and not p.near_tie(0.005)
     assert first_parting([1, 2], [1, 1], [1, 2], lambda j: None) is None
     assert first_parting([1], [3.0, 0.5], [1, 9], lambda j: 0.1).local_id is None  # local stopped at 1
+    # the kernel spread: the largest margin at which an engine parts from itself; None entries (no parting) ignored
+    engine_self = [Parting(3, None, 7, None, 0.004), None, Parting(9, None, 2, None, 0.0011), Parting(1, None, 3, None, None)]
+    assert kernel_spread(engine_self) == 0.004 and kernel_spread([None]) == 0.0
+    assert Parting(0, 1, 2, 0.2, 0.25).near_tie(0.3) and not Parting(0, 1, 2, 0.2, 1.5).near_tie(0.3)
+    assert not Parting(0, None, 2, None, 0.1).near_tie(0.3)  # the local margin unknown: not a near-tie
+    assert median_range([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "runs": [3.0, 1.0, 2.0, 10.0]}
 
 
 def test_endpoint_refused_connection_is_down_after_retries():
@@ -246,21 +283,26 @@ def test_endpoint_refused_connection_is_down_after_retries():
 
 
 def test_benchmark_logic(tmp_path):
-    """benchmarks/distill_engines.py's summaries and margin judgement (its engine runs cannot run in tests)."""
-    from tests.scripts import load_script
+    """benchmarks/distill_engines.py's distill arguments (spectrain.data.distill_compare; its engine runs cannot run
+    in tests)."""
+    from spectrain.data.distill_compare import Comparison, distill_args
 
-    bench = load_script("distill_engines")
-    assert bench.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "runs": [3.0, 1.0, 2.0]}
-    partings = [{"local_margin": None, "served_margin": 0.3}, {"local_margin": None, "served_margin": None},
-                {"local_margin": 0.1, "served_margin": 0.05}]
-    assert bench.kernel_spread(partings) == pytest.approx(0.3) and bench.kernel_spread([]) == 0.0
-    assert bench.judge({"local_margin": 0.2, "served_margin": 0.25}, 0.3) == "near-tie"
-    assert bench.judge({"local_margin": 0.2, "served_margin": 1.5}, 0.3) == "MODEL DIFFERS"
-    assert bench.judge({"local_margin": None, "served_margin": 0.1}, 0.3) == "MODEL DIFFERS"
-    args = bench.parse_args(["--slots", "1", "8", "--repeats", "3"])
+    c = Comparison("bundled:smollm2", ("example_data/alpaca_en_demo.json",), limit=32, max_new_tokens=64,
+                   batch_size=32)
     stale = tmp_path / "o.jsonl"
     stale.write_text("{}\n")  # an earlier run's output would be resumed, not timed: removed
-    argv = bench.distill_args(args, stale, "http://x:1", 8, ["--skip_verifier_check"])
+    argv = distill_args(c, stale, "http://x:1", 8, ["--skip_verifier_check"])
     assert not stale.exists() and argv[argv.index("--batch_size") + 1] == "32"
     assert argv[argv.index("--server") + 1] == "http://x:1" and argv[argv.index("--in_flight") + 1] == "8"
     distill_mod.parse_args(argv)  # the distill flags it builds parse
+
+
+def test_benchmark_reads_each_reply_back(tmp_path):
+    """distill_engines.py compares replies by (conversation id, turn), the assistant turns in order."""
+    from spectrain.data.distill_compare import replies_of
+
+    out = tmp_path / "o.jsonl"
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}, {"from": "human", "value": "q2"},
+             {"from": "gpt", "value": "b"}]
+    out.write_text(json.dumps({"id": 3, "conversations": turns}) + "\n\n")
+    assert replies_of(out) == {(3, 0): "a", (3, 1): "b"}

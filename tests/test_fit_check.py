@@ -32,17 +32,10 @@ MEASURED = [("eagle3_tinyshakespeare.yaml", "llama", 512, 4, ()),
 
 
 @pytest.fixture(scope="module")
-def wide_verifiers(tmp_path_factory, tiny_tokenizer):
+def wide_verifiers(verifier_factory, tiny_tokenizer):
     """Verifiers wide enough (hidden 256, vocabulary 8,192) that a step's memory dwarfs the allocator's noise."""
-    from tests.conftest import make_verifier
-
-    out = {}
-    for arch in ("llama", "qwen3"):
-        path = tmp_path_factory.mktemp(f"wide-{arch}")
-        make_verifier(arch, False, 8192, hidden=256, layers=4, max_pos=2048).save_pretrained(path)
-        tiny_tokenizer.save_pretrained(path)
-        out[arch] = path
-    return out
+    return {arch: verifier_factory(arch, False, 8192 - len(tiny_tokenizer), hidden=256, layers=4, max_pos=2048)
+            for arch in ("llama", "qwen3")}
 
 
 @pytest.fixture(scope="module")
