@@ -1,7 +1,7 @@
 """Every verifier family the evaluator decodes, measured in one run (benchmark, not a test).
 
-For each ``--family`` (default: all of ``gpu_check.FAMILY_OPTIONS``) a small verifier of that family is trained on
-the bundled tinyshakespeare text (``gpu_check.train_verifier``, size ``cpu`` here), then:
+For each ``--family`` (default: all of ``spectrain.data.family_verifiers.FAMILY_OPTIONS``) a small verifier of that
+family is trained on the bundled tinyshakespeare text (``family_verifiers.train_verifier``, size ``cpu``), then:
 
 * logits: our decoder (the path ``auto`` picks: the family's own layers unless it is Llama-family) against the
   model's own forward on the same held-out tokens (a prefill, then one token at a time past every sliding window),
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from spectrain.data.bundled import bundled_text_path, split_text
+from spectrain.data.family_verifiers import FAMILY_OPTIONS, SIZES, train_verifier
 from spectrain.eval.evaluate import evaluate_drafter, load_drafter
 from spectrain.eval.families import evaluator_of
 from spectrain.eval.prompts import load_prompts
@@ -39,15 +40,11 @@ from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
 from spectrain.train.cli import train
 
-import gpu_check  # benchmarks/ is the script's directory: on sys.path
-
-gpu_check.SIZES["cpu"] = (128, 4, 4, 256, 400, 16, 128)  # hidden, layers, heads, MLP, steps, batch, block
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="architectures.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", action="append", default=None, choices=sorted(gpu_check.FAMILY_OPTIONS))
+    p.add_argument("--family", action="append", default=None, choices=sorted(FAMILY_OPTIONS))
     p.add_argument("--recipe", default="eagle1_tinyshakespeare.yaml", help="the drafter's recipe (configs/)")
     p.add_argument("--steps", type=int, default=150, help="the drafter's training steps per verifier family")
     p.add_argument("--num_prompts", type=int, default=8)
@@ -84,7 +81,7 @@ def measure(family: str, args, work: Path, log) -> dict:
     if (verifier_dir / "config.json").exists():
         info = json.loads((work / family / "verifier_info.json").read_text())
     else:
-        _, info = gpu_check.train_verifier(verifier_dir, "cpu", torch.device("cpu"), log, family)
+        _, info = train_verifier(verifier_dir, "cpu", torch.device("cpu"), log, family)
         (work / family / "verifier_info.json").write_text(json.dumps(info))
     verifier = load_verifier(str(verifier_dir), dtype=torch.float32)
     _, val_text = split_text(bundled_text_path().read_text())
@@ -120,7 +117,7 @@ def measure(family: str, args, work: Path, log) -> dict:
 
 def run(args: argparse.Namespace, command: str):
     work = Path(args.work)
-    families = args.family or list(gpu_check.FAMILY_OPTIONS)
+    families = args.family or list(FAMILY_OPTIONS)
 
     def log(msg):
         print(msg, flush=True)
@@ -128,8 +125,8 @@ def run(args: argparse.Namespace, command: str):
     rows = [measure(family, args, work, log) for family in families]
     summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "device": "cpu", "dtype": "float32",
                "threads": torch.get_num_threads(), "sizes": dict(zip(
-                   ("hidden", "layers", "heads", "intermediate", "steps", "batch", "block"), gpu_check.SIZES["cpu"])),
-               "family_options": {f: gpu_check.FAMILY_OPTIONS[f] for f in families},
+                   ("hidden", "layers", "heads", "intermediate", "steps", "batch", "block"), SIZES["cpu"])),
+               "family_options": {f: FAMILY_OPTIONS[f] for f in families},
                "prompts": f"bundled:tinyshakespeare held-out, {args.num_prompts} x 64 tokens",
                "max_new_tokens": args.max_new_tokens, "k": args.k, "dynamic_tree": args.dynamic_tree, "rows": rows}
     table = format_table(["family", "decoder", "logits |diff|", "tau chain", "tau tree", "chain = AR", "tree = AR"],

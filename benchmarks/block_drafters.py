@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from spectrain.eval.cli import dynamic_tree
+from spectrain.eval.cli import dynamic_tree, named_values
 from spectrain.eval.evaluate import evaluate_drafter, load_drafter
 from spectrain.eval.families import evaluator_of
 from spectrain.eval.prompts import load_prompts
@@ -35,8 +35,6 @@ from spectrain.heads.families import family_of
 from spectrain.heads.formats import export_drafter
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
-
-from draft_heads import pairs  # benchmarks/ is the script's directory: on sys.path
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -80,9 +78,9 @@ def rows_of(label: str, result, path: str) -> list[dict]:
 
 
 def run(args: argparse.Namespace, command: str):
-    paths = pairs(args.drafter, "--drafter")
-    chains = {name: int(k) for name, k in pairs(args.k_of, "--k_of").items()}
-    exports = pairs(args.export_check, "--export_check")
+    paths = named_values(args.drafter, "--drafter")
+    chains = {name: int(k) for name, k in named_values(args.k_of, "--k_of").items()}
+    exports = named_values(args.export_check, "--export_check")
     unknown = sorted((set(chains) | set(exports)) - set(paths))
     if unknown:
         raise SpectrainError(f"--k_of / --export_check name {unknown}, not a --drafter")

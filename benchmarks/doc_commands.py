@@ -20,6 +20,7 @@ import contextlib
 import io
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -110,13 +111,12 @@ def check(argv: list[str], redirect: str | None = None) -> str:
         return ("recipe and flags (--print_config)" + note) if exits == [0] else f"exit {exits}"
     if program in OURS or (program == "python" and len(argv) > 1 and argv[1].startswith("benchmarks/")):
         if program in OURS:
-            module, rest = importlib.import_module(OURS[program]), argv[1:]
-        else:
-            sys.path.insert(0, str(ROOT / "benchmarks"))
-            module, rest = importlib.import_module(Path(argv[1]).stem), argv[2:]
+            main, rest = importlib.import_module(OURS[program]).main, argv[1:]
+        else:  # the script as ``python benchmarks/X.py`` runs it, less its ``__main__`` block: its own main()
+            main, rest = runpy.run_path(str(ROOT / argv[1]), run_name="doc_commands_check")["main"], argv[2:]
         with stop_after_parsing(), contextlib.redirect_stderr(io.StringIO()) as err:
             try:
-                module.main(rest)
+                main(rest)
             except Parsed as parsed:
                 if program == "spectrain-eval":  # the drafting options, through the API's own checks
                     from spectrain.eval.cli import draft_options

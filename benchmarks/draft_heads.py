@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 import time
 
@@ -37,6 +36,7 @@ from spectrain.eval.cli import dynamic_tree, named_values
 from spectrain.eval.decode_dtype import cpu_line, cpu_record, decode_dtype
 from spectrain.eval.evaluate import evaluate_drafter, in_loop_costs, load_drafter, summarize
 from spectrain.eval.prompts import load_prompts
+from spectrain.eval.repeats import check_repeats, merge_repeats
 from spectrain.eval.results import drafter_formats
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.eval.families import check_chain_depth, check_confidence, evaluator_of
@@ -87,8 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decoding dtype; auto: bf16 where bf16 is native (AMX / AVX512-BF16), fp32 elsewhere")
     p.add_argument("--out", default="runs/bench/draft_heads.json")
     args = p.parse_args(argv)
-    if args.repeats < 1 or (args.repeats > 1 and not args.interleave):
-        p.error("--repeats must be >= 1, and more than 1 only with --interleave")
+    try:
+        check_repeats(args.repeats, args.interleave)
+    except SpectrainError as why:
+        p.error(str(why))
     return args
 
 
@@ -158,29 +160,6 @@ def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, d
             "ar": ar_summary, setting: {**r, "identical_turns": entry["identical"],
                                         "divergences": pooled_divergences}}})
     return rows, calls, ar_summary
-
-
-def merge_repeats(passes: list[tuple[list[dict], list[dict], dict]]) -> tuple[list[dict], list[dict], dict]:
-    """The interleaved passes of ``--repeats`` as one result, rows matched by (drafter, draft vocab, setting): each
-    row the first pass's, its ``speedup`` the median over the passes with ``speedup_min`` / ``speedup_max`` and
-    every pass's value in ``speedup_repeats``; τ and identity of every pass kept (``tau_repeats``,
-    ``identical_repeats``; at T = 0 they are the same in every pass unless a pass parted: then
-    ``identical_turns`` is the worst pass's). The AR summary is the first pass's, with every pass's tokens/s;
-    calls are the first pass's."""
-    rows, calls, ar = passes[0]
-    by_key = [{(r["drafter"], r["draft_vocab"], r["setting"]): r for r in rows_p} for rows_p, _, _ in passes]
-    for row_ in rows:
-        key = (row_["drafter"], row_["draft_vocab"], row_["setting"])
-        if any(key not in keyed for keyed in by_key):
-            raise SpectrainError(f"the repeats produced different rows: {key} is missing from one")
-        same = [keyed[key] for keyed in by_key]
-        speedups = [s["speedup"] for s in same]
-        identical = [s["identical_turns"] for s in same]
-        row_.update(speedup=statistics.median(speedups), speedup_min=min(speedups), speedup_max=max(speedups),
-                    speedup_repeats=speedups, tau_repeats=[s["tau"] for s in same], identical_repeats=identical,
-                    identical_turns=min(identical, key=lambda v: int(v.split("/")[0])))
-    ar = {**ar, "tokens_per_second_repeats": [a["tokens_per_second"] for _, _, a in passes]}
-    return rows, calls, ar
 
 
 def confidence_levels(spec: str) -> list[float]:

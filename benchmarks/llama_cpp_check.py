@@ -12,7 +12,7 @@ block drafter's whole block, the chat template: the prompt token ids llama.cpp g
 ``draft-dspark``, ``--spec-draft-n-max K --spec-draft-p-min 0``: every round drafts K, as ours does) and reads
 each completion's tokens and llama.cpp's own ``draft_n`` / ``draft_n_accepted``.
 
-The verdict (:func:`judge`, tested): llama.cpp's speculative output equals its plain greedy output on every
+The verdict (``spectrain.eval.engine_verdicts.llama_cpp_verdict``, tested): llama.cpp's speculative output equals its plain greedy output on every
 prompt; τ (tokens per target forward, prefill excluded: ``rounds = generated − 1 − accepted``) within
 ``--tolerance`` of ours. Why a band and not equality: both sides run fp32, but llama.cpp's matmuls accumulate in
 another order (and its attention in another kernel), so logits differ by ~1e-6 relative; where the drafter's top two
@@ -24,10 +24,10 @@ Controls guard against a draft that loads but is read differently than we think:
 - ``control-eagle3``, acceptance known exactly: a drafter that proposes one token at every step *only through d2t*
   (its head scores draft id 0 above all others by a positive margin built from SwiGLU squares, n² > 0,
   and d2t maps draft id 0 to ``--control_token``). Its accepted count follows from llama.cpp's own greedy output
-  (runs of that token) and must equal it exactly (:func:`engine_check.predicted_acceptance`); ours is checked the
-  same way against our greedy output.
+  (runs of that token) and must equal it exactly (``spectrain.eval.engine_controls.predicted_acceptance``); ours is
+  checked the same way against our greedy output.
 - ``control-dflash``: a block drafter that proposes the token in every slot through the mask token's embedding
-  (:func:`engine_check.dflash_control`), predicted the same way: llama.cpp must read the mask token, the final
+  (``spectrain.eval.engine_controls.dflash_control``), predicted the same way: llama.cpp must read the mask token, the final
   norm and the block layout as we do, and borrow the target's embeddings and head.
 - two mistaken exports of each trained EAGLE-3 that must be *caught* (τ outside the tolerance): ``wrong-layers``
   (target layers shifted by one, the ids an off-by-one in the capture convention would write) and ``wrong-d2t``
@@ -38,35 +38,28 @@ Controls guard against a draft that loads but is read differently than we think:
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, also when a test loads this one
-
-from engine_check import dflash_control, first_turns, our_tau, predicted_acceptance, strip_eos  # noqa: E402
-from layer_probe import choose_probe, first_drafts, layer_probe, predicted_acceptance as probe_acceptance, \
-    shifted_layers  # noqa: E402
-from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, find_binary,  # noqa: E402
-                              rounds_and_tau)
-
-from spectrain.heads.dflash_gguf import write_dflash_gguf  # noqa: E402
-from spectrain.heads.eagle import EagleDrafter, build_vocab_map  # noqa: E402
-from spectrain.heads.eagle_gguf import ARCH, write_eagle3_gguf  # noqa: E402
-from spectrain.eval.decode_dtype import cpu_record  # noqa: E402
-from spectrain.eval.families import evaluator_of  # noqa: E402
-from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
-from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
-from spectrain.heads.families import family_of  # noqa: E402
-from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
-from spectrain.heads.llama_cpp import read_metadata, write_draft_gguf, write_gguf, write_verifier_gguf  # noqa: E402
-from spectrain.heads.report import finish, format_table  # noqa: E402
-from spectrain.heads.verifier import load_verifier, resolve_verifier  # noqa: E402
+from spectrain.eval.decode_dtype import cpu_record
+from spectrain.eval.engine_compare import first_turns, kernel_spread, our_tau, partings, strip_eos
+from spectrain.eval.engine_controls import dflash_control, eagle3_control, mistaken_gguf
+from spectrain.eval.engine_verdicts import llama_cpp_verdict
+from spectrain.eval.families import evaluator_of
+from spectrain.eval.layer_probe import choose_probe, default_probe_layers, layer_probe, probe_prediction
+from spectrain.eval.llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, find_binary,
+                                             resolved_layers, rounds_and_tau)
+from spectrain.heads.dflash_gguf import write_dflash_gguf
+from spectrain.heads.eagle_gguf import ARCH, write_eagle3_gguf
+from spectrain.heads.errors import SpectrainError, run_command
+from spectrain.heads.export_cli import target_gguf_for
+from spectrain.heads.families import family_of
+from spectrain.heads.formats import import_drafter, method_of
+from spectrain.heads.llama_cpp import read_metadata, write_draft_gguf, write_verifier_gguf
+from spectrain.heads.report import finish, format_table
+from spectrain.heads.verifier import load_verifier, resolve_verifier
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,223 +94,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "noise (the drafter's row fails), and no parting above it passes as a near-tie")
     p.add_argument("--out", default="runs/llama_cpp_check")
     return p.parse_args(argv)
-
-
-# -- controls and mistakes ------------------------------------------------------------------------------------
-def eagle3_control(verifier, token: int, draft_vocab: int = 1024, scale: float = 1000.0) -> EagleDrafter:
-    """An EAGLE-3 drafter that proposes ``token`` at every step, through d2t alone, by a strictly positive margin.
-
-    fc = 0 and q = k = 0, so attention averages values read from the token embeddings; o_proj writes that
-    average into hidden dim 1 only. The MLP's two live units have gate = up = ±e_1, so their output
-    ``scale · (silu(n_1) n_1 + silu(−n_1)(−n_1)) = scale · n_1²`` (n = the post-attention norm's output, n_1² = h
-    when dim 1 is the only one written) lands in hidden dim 0, which nothing else writes: h_0 > 0 at every step (a later step's residual, the previous h, keeps
-    it positive). The head's only nonzero weight reads h_0 into draft id 0, every other draft logit is 0, and d2t
-    maps draft id 0 to ``token``. The same file with a wrong d2t proposes another token, and a head read from
-    the wrong tensor or without the final norm's weights proposes something else.
-    """
-    drafter = EagleDrafter.for_verifier(verifier, "eagle3", draft_vocab_size=draft_vocab, verifier_name="control")
-    V = drafter.config.vocab_size
-    if token + draft_vocab > V:
-        raise SpectrainError(f"control token {token} too close to the end of the vocabulary")
-    counts = torch.zeros(V, dtype=torch.long)
-    counts[token:token + draft_vocab] = 1  # draft ids are sorted by target id: draft id 0 is `token`
-    drafter.set_vocab_map(*build_vocab_map(counts, draft_vocab))
-    layer = drafter.layer
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.zero_()
-        for norm in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, drafter.norm):
-            norm.weight.fill_(1.0)
-        kv = layer.self_attn.v_proj.weight.shape[0]
-        layer.self_attn.v_proj.weight[:, :kv] = torch.eye(kv)  # values: the first kv dims of the normed embedding
-        layer.self_attn.o_proj.weight[1, :] = 1.0 / layer.self_attn.o_proj.weight.shape[1] ** 0.5
-        layer.mlp.gate_proj.weight[0, 1] = layer.mlp.up_proj.weight[0, 1] = 1.0  # silu(n_1) n_1 = n_1² σ(n_1)
-        layer.mlp.gate_proj.weight[1, 1] = layer.mlp.up_proj.weight[1, 1] = -1.0  # + n_1² σ(−n_1): n_1² in all
-        layer.mlp.down_proj.weight[0, :2] = scale
-        drafter.lm_head.weight[0, 0] = 1.0
-    return drafter
-
-
-def mistaken_gguf(good: Path, out: Path, mistake: str, target_layers: int) -> Path:
-    """A copy of an eagle3 GGUF with one mistake: ``layers`` (every target layer id + 1, or − 1 where + 1 would
-    leave the target) or ``d2t`` (the map rolled by one: draft id i proposes draft id i + 1's target token)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(good), "r")
-    meta = read_metadata(good)
-
-    def fill(writer) -> None:
-        for key, v in meta.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            value = v.value
-            if mistake == "layers" and key == f"{ARCH}.target_layers":
-                value = shifted_layers(list(value), target_layers)
-            if v.vtype == gguf.GGUFValueType.ARRAY:
-                writer.add_key_value(key, list(value), v.vtype, sub_type=v.item_type)
-            else:
-                writer.add_key_value(key, value, v.vtype)
-        for t in reader.tensors:
-            data = np.array(t.data)
-            if mistake == "d2t" and t.name == "d2t":
-                data = np.roll(data, -1)
-            # F32 as is; I64 (d2t) and any packed type (stored as bytes: gguf derives the shape) as stored
-            writer.add_tensor(t.name, data, raw_dtype=None if t.tensor_type.name == "F32" else t.tensor_type)
-
-    return write_gguf(out, ARCH, fill, force=True)
-
-
-def resolved_layers(log: Path) -> list[int] | None:
-    """The target layers llama.cpp's loader resolved, from its log line ``EAGLE3 extract_layers = [..]`` (eagle3) or
-    ``DFlash extract_layers = [..]`` (dflash: capture ids, HF ``hidden_states`` indices)."""
-    match = re.search(r"(?:EAGLE3|DFlash) extract_layers = \[([0-9, ]*)\]", log.read_text(errors="replace"))
-    return [int(x) for x in match.group(1).split(",") if x.strip()] if match else None
-
-
-def partings(plain_runs: list[dict], spec_runs: list[dict], prompt_ids: list[list[int]], verifier,
-             eos: set[int]) -> list[dict]:
-    """Where llama.cpp's speculative output first parts from its plain greedy output, per prompt that parts: the
-    two tokens, llama.cpp's margin between them in each path (log-probabilities; the speculative path has none
-    when its token was an accepted draft) and our fp32 verifier's logit margin on the same context."""
-    out = []
-    for i, (p, s) in enumerate(zip(plain_runs, spec_runs)):
-        a, b = strip_eos(p["tokens"], eos), strip_eos(s["tokens"], eos)
-        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if pos is None:
-            continue
-
-        def margin(run, first, second):
-            top = {t["id"]: t["logprob"] for t in (run["probs"][pos]["top_logprobs"] if pos < len(run["probs"]) else [])}
-            return top[first] - top[second] if first in top and second in top else None
-
-        with torch.no_grad():
-            logits = verifier(torch.tensor([prompt_ids[i] + a[:pos]])).logits[0, -1].float()
-        out.append({"prompt": i, "position": pos, "plain_token": a[pos], "spec_token": b[pos],
-                    "plain_margin": margin(p, a[pos], b[pos]), "spec_margin": margin(s, b[pos], a[pos]),
-                    "ours_fp32_margin": float(logits[a[pos]] - logits[b[pos]]),
-                    "ours_fp32_argmax": int(logits.argmax())})
-    return out
-
-
-def default_probe_layers(verifier) -> list[int]:
-    """The aux layers a probe reads: an EAGLE-3's default for this verifier (the shipped drafters' layers)."""
-    return list(EagleDrafter.for_verifier(verifier, "eagle3", draft_vocab_size=8).config.aux_layer_ids)
-
-
-def probe_prediction(probe: EagleDrafter, verifier, prompt_ids: list[list[int]], outputs: list[list[int]]) -> dict:
-    """What a layer probe accepts at draft 1 on the text llama.cpp emitted, by our forward (:mod:`layer_probe`),
-    in the shape of :func:`engine_check.our_tau`'s row; ``min_margin``: the smallest logit margin of a first draft
-    (> 0: no draft is a tie)."""
-    drafted = [first_drafts(probe, verifier, p + o) for p, o in zip(prompt_ids, outputs)]
-    per_prompt = probe_acceptance(outputs, prompt_ids, [d for d, _ in drafted])
-    accepted, rounds = sum(r["accepted"] for r in per_prompt), sum(r["rounds"] for r in per_prompt)
-    margins = [float(m[len(p) + 1:len(p) + len(o)].min()) for (_, m), p, o in zip(drafted, prompt_ids, outputs)
-               if len(o) > 1]
-    return {"tau": sum(len(o) - 1 for o in outputs) / rounds if rounds else None, "alpha": None,
-            "identical_to_ar": None, "accepted": accepted, "rounds": rounds,
-            "accepted_per_prompt": [r["accepted"] for r in per_prompt], "min_margin": min(margins, default=None)}
-
-
-def kernel_spread(plain_runs: list[dict], spec_runs: list[dict], eos: set[int]) -> float | None:
-    """How far llama.cpp's two paths disagree in this run: the largest difference between the plain (1-row) and
-    the speculative (batched verify) path's log-probability of the same token at the same position, over every
-    position both paths scored with the same context (up to and including a prompt's first parting; accepted
-    drafts carry no probabilities). None: no position was scored by both."""
-    spread = None
-    for p, s in zip(plain_runs, spec_runs):
-        a, b = strip_eos(p["tokens"], eos), strip_eos(s["tokens"], eos)
-        stop = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) - 1)
-        for j in range(min(stop + 1, len(p["probs"]), len(s["probs"]))):
-            plain = {t["id"]: t["logprob"] for t in p["probs"][j].get("top_logprobs") or []}
-            spec = {t["id"]: t["logprob"] for t in s["probs"][j].get("top_logprobs") or []}
-            for token in plain.keys() & spec.keys():
-                d = abs(plain[token] - spec[token])
-                spread = d if spread is None else max(spread, d)
-    return spread
-
-
-# -- the verdict --------------------------------------------------------------------------------------------
-def judge(info: dict, plain: list[list[int]], spec: list[list[int]], counts: list[dict], ours: dict,
-          tolerance: float, token: int, k: int, parted: list[dict] | None = None,
-          near_tie: float | None = None) -> tuple[bool, str, dict]:
-    """One drafter's verdict: (ok, a note for the table, what the record gains).
-
-    ``plain`` / ``spec``: llama.cpp's greedy outputs without and with the draft, per prompt; ``counts``: per prompt
-    :func:`llama_cpp_server.rounds_and_tau`; ``ours``: our evaluator's ``tau`` / ``accepted`` / ``rounds`` (and
-    ``ar_tokens``). Every row needs spec == plain on every prompt and, where ``info["expected_layers"]`` is set,
-    the target layers llama.cpp's loader resolved (``info["engine_layers"]``, read from its log) equal to them (an
-    integrity check: they echo the file). A drafter needs |τ_llama.cpp − τ_ours| ≤ ``tolerance`` · τ_ours; a
-    mistaken export (``info["must_differ"]``) needs the opposite, τ outside the tolerance: the resolved layers of a
-    file that says the wrong layers are the wrong layers, so they prove nothing about the convention; a control
-    (``info["control_token"]``) needs llama.cpp's accepted count equal to the count predicted from what it emitted
-    (``spec``: a draft of ``k`` copies of the token accepts exactly its leading runs there), and ours equal to the
-    one predicted from our own output; a layer probe (``info["probe_predicted"]``: accepted per prompt predicted by
-    our forward on llama.cpp's own text, :mod:`layer_probe`) needs llama.cpp's per-prompt counts equal to it, and
-    its shifted twin needs them to differ. ``info["informational"]``: a mistaken export reported, not judged
-    (a trained drafter's shifted layers, which τ cannot tell apart; the probes decide). A prompt whose ``spec`` parts from ``plain`` passes only as a measured
-    near-tie: ``partings`` (:func:`partings`) has its first parting with llama.cpp's own plain-path margin between
-    the two tokens at most ``near_tie`` (nats; None: no parting may pass; the check passes
-    max(``--near_tie``, 2 · the run's measured ``kernel_spread``) capped at ``--near_tie_max``), and a row whose
-    ``info["kernel_spread"]`` exceeds ``info["near_tie_max"]`` fails: its paths disagree by more than kernels do."""
-    identical = sum(a == b for a, b in zip(spec, plain))
-    generated = sum(c["generated"] for c in counts)
-    rounds = sum(c["rounds"] for c in counts)
-    accepted = sum(c["accepted"] for c in counts)
-    tau = (generated - len(counts)) / rounds if rounds else None
-    rel = abs(tau - ours["tau"]) / ours["tau"] if tau is not None and ours.get("tau") else None
-    found = {"tau_llama_cpp": tau, "relative_difference": rel, "identical_prompts": identical, "prompts": len(plain),
-             "accepted_llama_cpp": accepted, "rounds_llama_cpp": rounds,
-             "drafted_llama_cpp": sum(c["drafted"] for c in counts), "per_prompt": counts}
-    within = rel is not None and rel <= tolerance
-    parted = parted or []
-    ties = [q for q in parted if near_tie is not None and q.get("plain_margin") is not None
-            and q["plain_margin"] <= near_tie]
-    found.update(partings=parted, near_ties=len(ties))
-    ok, notes = identical + len(ties) == len(plain) and len(plain) > 0, []
-    if identical != len(plain):
-        notes.append(f"spec != plain on {len(plain) - identical} prompts"
-                     + (f", {len(ties)} a measured near-tie" if ties else ""))
-    spread, limit = info.get("kernel_spread"), info.get("near_tie_max")
-    if spread is not None and limit is not None and spread > limit:
-        ok = False
-        notes.append(f"llama.cpp's plain and speculative paths differ by {spread:.4f} nats on one token: more than "
-                     f"kernel noise ({limit})")
-    layers_differ = False
-    if "expected_layers" in info:
-        found["engine_layers"] = info.get("engine_layers")
-        layers_differ = info.get("engine_layers") != info["expected_layers"]
-        if layers_differ and "must_differ" not in info:
-            ok = False
-            notes.append(f"llama.cpp resolved target layers {info.get('engine_layers')}, the drafter's are "
-                         f"{info['expected_layers']}")
-    if "probe_predicted" in info:  # a layer probe: exact accepted counts per prompt, in place of the τ band
-        per_prompt = [c["accepted"] for c in counts]
-        same = per_prompt == info["probe_predicted"]
-        found.update(accepted_per_prompt=per_prompt, prediction_matches=same)
-        if "must_differ" in info:
-            ok = ok and not same
-            notes.append(f"{'caught' if not same else 'NOT caught'}: accepted {per_prompt} vs {info['probe_predicted']}"
-                         " predicted from the named layers")
-        else:
-            ok = ok and same
-            notes.insert(0, f"accepted {per_prompt} vs predicted {info['probe_predicted']}")
-    elif "must_differ" in info:  # caught only by what the engine measures: the resolved layers echo the file
-        if not info.get("informational"):
-            ok = ok and not within
-        notes.append(f"{'caught' if not within else 'NOT caught'} by tau"
-                     + (f": {tau:.3f} vs {ours['tau']:.3f}" if tau is not None else ": no rounds")
-                     + ("; llama.cpp read the file's shifted layers" if layers_differ else "")
-                     + ("; informational: the layer probes decide this mistake" if info.get("informational") else ""))
-    else:
-        ok = ok and within
-    if "control_token" in info:
-        predicted = predicted_acceptance(spec, token, k)["num_accepted_tokens"]
-        predicted_ours = predicted_acceptance(ours["ar_tokens"], token, k)["num_accepted_tokens"]
-        hit = predicted == accepted and predicted_ours == ours["accepted"]
-        found.update(predicted_accepted=predicted, predicted_accepted_ours=predicted_ours, prediction_matches=hit)
-        ok = ok and hit
-        notes.insert(0, f"accepted {accepted} vs predicted {predicted}; ours {ours['accepted']} vs {predicted_ours}")
-    return ok, f" ({'; '.join(notes)})" if notes else "", found
 
 
 # -- the check --------------------------------------------------------------------------------------------------
@@ -389,7 +165,7 @@ def run(args, command: str = "") -> Path:
             control = eagle3_control(verifier, token)
             write = write_eagle3_gguf
             info = {"expected_layers": list(control.config.aux_layer_ids)}
-        else:  # proposes the token in every slot through the mask token's embedding (engine_check.dflash_control)
+        else:  # proposes the token in every slot through the mask token's embedding
             control = dflash_control(verifier, tokenizer, token, args.k)
             write = write_dflash_gguf
             info = {"k": control.config.drafts, "expected_layers": list(control.config.capture_ids)}
@@ -400,7 +176,8 @@ def run(args, command: str = "") -> Path:
     if not drafters and not probing:
         raise SpectrainError("nothing to check: pass --drafter or drop --no_controls")
 
-    ours = {name: our_tau(args, loaded, method, path, prompts, out / "ours" / name, info.get("k", args.k))
+    ours = {name: our_tau(loaded, method, path, prompts, out / "ours" / name, info.get("k", args.k),
+                          args.max_new_tokens)
             for name, method, path, _, info in drafters if path is not None}
     for name, _, _, _, info in drafters:
         if "must_differ" in info:
@@ -408,8 +185,8 @@ def run(args, command: str = "") -> Path:
     if not ours:  # probes alone: our AR greedy output and prompt ids from a control's evaluation
         control_dir = out / "control-eagle3"
         eagle3_control(verifier, token).save_pretrained(control_dir)
-        ours["control-eagle3"] = our_tau(args, loaded, "eagle3", control_dir, prompts, out / "ours" / "control-eagle3",
-                                         args.k)
+        ours["control-eagle3"] = our_tau(loaded, "eagle3", control_dir, prompts, out / "ours" / "control-eagle3",
+                                         args.k, args.max_new_tokens)
     first = next(iter(ours.values()))
     prompt_ids, our_ar = first["prompt_ids"], first["ar_tokens"]
     common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", "4096", "-np", "1", "--seed", "0",
@@ -455,7 +232,8 @@ def run(args, command: str = "") -> Path:
         spread = kernel_spread(plain_runs, runs, eos)
         near_tie = max(args.near_tie, min(2 * spread, args.near_tie_max)) if spread is not None else args.near_tie
         info = {**info, "kernel_spread": spread, "near_tie_used": near_tie, "near_tie_max": args.near_tie_max}
-        ok, note, found = judge(info, plain, spec, counts, ours[name], args.tolerance, token, k, parted, near_tie)
+        ok, note, found = llama_cpp_verdict(info, plain, spec, counts, ours[name], args.tolerance, token, k, parted,
+                                            near_tie)
         ok_all &= ok
         tau = found["tau_llama_cpp"]
         rows.append([name, k, ours[name]["tau"], "-" if tau is None else tau,

@@ -34,13 +34,14 @@ Parallel slots (``--parallel 1,2,4``): for each slot count P and each of ``--par
 ``-np P``; each repeat sends all prompts through P concurrent clients and times the wall clock from the first
 request to the last reply (prefill included: with P requests in flight it cannot be taken apart). The figure is
 aggregate generated tokens per second, and each mode's ratio to plain decoding at the same P.
+
+The modes, their names and draft files are ``spectrain.eval.llama_cpp_modes``'s; the summaries and round costs
+``spectrain.eval.llama_cpp_timing``'s (both tested); this script runs the servers.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import shlex
 import statistics
 import subprocess
@@ -48,131 +49,21 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from engine_check import first_turns, strip_eos  # noqa: E402
-from llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, draft_time,  # noqa: E402
-                              find_binary, rounds_and_tau)
-
-from spectrain.eval.decode_dtype import cpu_line, cpu_record  # noqa: E402
-from spectrain.heads.errors import SpectrainError, run_command  # noqa: E402
-from spectrain.heads.export_cli import target_gguf_for  # noqa: E402
-from spectrain.heads.formats import import_drafter, method_of  # noqa: E402
-from spectrain.heads.io import read_json  # noqa: E402
-from spectrain.heads.llama_cpp import (gguf_export_of, gguf_exports, read_metadata, write_draft_gguf,  # noqa: E402
-                                       write_verifier_gguf)
-from spectrain.heads.report import finish, format_table  # noqa: E402
-from spectrain.heads.verifier import load_tokenizer, resolve_verifier  # noqa: E402
-
-NGRAM_MODES = ("ngram-simple", "ngram-mod", "ngram-map-k")
-# ngram-mod keeps one hash pool across all requests of a server: with repeats, the second repeat would draft the
-# first repeat's output of the same prompt. Such a mode gets a fresh server for every request.
-CROSS_REQUEST_STATE = ("ngram-mod",)
-DRAFT_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0"}
-
-
-@dataclass(frozen=True)
-class DraftMode:
-    """One setting of our draft in llama-server: the draft (its ``--spec-type`` less ``draft-``: ``eagle3``), draft
-    length, the draft GGUF's dtype, p-min, threads."""
-    draft: str
-    k: int
-    dtype: str = "f32"
-    p_min: float | None = None  # None: --p_min
-    threads: int | None = None  # None: --threads
-
-    @property
-    def name(self) -> str:
-        return f"{self.draft}-k" + "-".join([str(self.k)] + ([self.dtype] if self.dtype != "f32" else []) +
-                                            ([f"p{fixed(self.p_min)}"] if self.p_min is not None else []) +
-                                            ([f"t{self.threads}"] if self.threads is not None else []))
-
-    @property
-    def spec_type(self) -> str:
-        return f"draft-{self.draft}"
-
-
-def fixed(value: float) -> str:
-    """``0.5`` -> ``0.5``, ``1e-05`` -> ``0.00001``: a number in a mode's name, read back by :func:`mode_of`."""
-    return f"{value:.6f}".rstrip("0").rstrip(".") or "0"
-
-
-@dataclass(frozen=True)
-class Draft:
-    """Our draft as llama-server serves it: its ``--spec-type``, its GGUF per dtype, and the block it drafts whole
-    each round where its family's writer pins ``--spec-draft-n-max`` (a block drafter; None: any length)."""
-    spec_type: str
-    files: dict[str, Path]
-    block: int | None = None
-
-    @property
-    def name(self) -> str:
-        return self.spec_type.removeprefix("draft-")
-
-
-MODE_NAME = re.compile(r"^(?P<draft>[a-z0-9_]+(?:-[a-z0-9_]+)*?)-(?P<setting>k\d.*)$")
-
-
-def mode_of(name: str) -> DraftMode | None:
-    """A result's mode name -> its :class:`DraftMode` (``eagle3-k4-p0.5``), None for plain and n-gram modes."""
-    match = MODE_NAME.match(name)
-    if match is None or name in NGRAM_MODES:
-        return None
-    return parse_draft_mode(match["setting"].replace("-", ":"), match["draft"])
-
-
-def run_p_min(command: str) -> float:
-    """A run's ``--p_min``, as it recorded its command (0 where it passed none)."""
-    words = shlex.split(command or "")
-    return float(words[words.index("--p_min") + 1]) if "--p_min" in words else 0.0
-
-
-def parse_draft_mode(text: str, draft: str) -> DraftMode:
-    """``k4``, ``k1:q8_0``, ``k6:p0.8``, ``k1:f16:t1`` (or a bare draft length, ``4``) of the draft ``draft`` ->
-    :class:`DraftMode`."""
-    parts = [x for x in text.strip().split(":") if x]
-    fields: dict = {"draft": draft}
-    try:
-        if not parts:
-            raise ValueError
-        head = parts[0][1:] if parts[0].startswith("k") else parts[0]
-        fields["k"] = int(head)
-        for part in parts[1:]:
-            if part in DRAFT_DTYPES:
-                fields["dtype"] = part
-            elif part.startswith("p"):
-                fields["p_min"] = float(part[1:])
-            elif part.startswith("t"):
-                fields["threads"] = int(part[1:])
-            else:
-                raise ValueError
-    except ValueError:
-        raise SpectrainError(f"draft mode {text!r}: want kN[:DTYPE][:pP][:tT], DTYPE one of "
-                             f"{', '.join(DRAFT_DTYPES)} (e.g. k1:q8_0, k4:p0.6, k1:t1)") from None
-    mode = DraftMode(**fields)
-    if mode.k < 1 or (mode.threads is not None and mode.threads < 1) or not 0 <= (mode.p_min or 0) <= 1:
-        raise SpectrainError(f"draft mode {text!r}: draft length and threads must be >= 1, p-min in [0, 1]")
-    return mode
-
-
-def draft_modes(args, draft: str, block: int | None = None) -> list[DraftMode]:
-    """--draft_lengths (f32 drafts; default 1…6, or ``block``) then --draft_modes, each once, in that order, of the
-    draft ``draft``. A draft of a ``block`` (a block drafter: its writer pins the length) drafts that many tokens
-    in every mode: served with fewer slots than trained, every slot's state would differ."""
-    lengths = args.draft_lengths if args.draft_lengths is not None else str(block or "1,2,3,4,5,6")
-    items = [x for x in lengths.split(",") if x.strip()] + args.draft_modes.replace(",", " ").split()
-    out: list[DraftMode] = []
-    for item in items:
-        mode = parse_draft_mode(item, draft)
-        if block is not None and mode.k != block:
-            raise SpectrainError(f"draft mode {item!r}: this drafter drafts its whole block of {block} tokens every "
-                                 f"round (its family serves it with --spec-draft-n-max {block}): draft length {block}")
-        if mode not in out:
-            out.append(mode)
-    return out
+from spectrain.eval.decode_dtype import cpu_line, cpu_record
+from spectrain.eval.engine_compare import first_turns, strip_eos
+from spectrain.eval.llama_cpp_modes import (CROSS_REQUEST_STATE, NGRAM_MODES, ModeRequest, draft_files, draft_modes,
+                                            mode_flags, mode_of)
+from spectrain.eval.llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, draft_time,
+                                             find_binary, rounds_and_tau)
+from spectrain.eval.llama_cpp_timing import (forward_costs, resummarize, round_cost_table, round_costs, round_split,
+                                             summarize)
+from spectrain.heads.errors import SpectrainError, run_command
+from spectrain.heads.export_cli import target_gguf_for
+from spectrain.heads.llama_cpp import write_verifier_gguf
+from spectrain.heads.report import finish, format_table
+from spectrain.heads.verifier import load_tokenizer, resolve_verifier
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -211,22 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def modes(args, draft: Draft) -> dict[str, list[str]]:
-    """mode name -> llama-server flags beyond the common ones."""
-    out = {"plain": []}
-    for mode in draft_modes(args, draft.name, draft.block):
-        threads = str(mode.threads or args.threads)
-        out[mode.name] = ["-md", str(draft.files[mode.dtype]), "--spec-type", mode.spec_type, "--spec-draft-n-max",
-                          str(mode.k), "--spec-draft-n-min", "0", "--spec-draft-p-min",
-                          str(args.p_min if mode.p_min is None else mode.p_min), "-td", threads, "-tbd", threads]
-    for name in [x for x in args.ngram.split(",") if x.strip()]:
-        if name not in NGRAM_MODES:
-            raise SpectrainError(f"--ngram: unknown mode {name!r}; one of {', '.join(NGRAM_MODES)}")
-        out[name] = ["--spec-type", name]
-    return out
-
-
 def targets(args, out: Path) -> dict[str, Path]:
+    """--targets -> {name: target GGUF}, the f32 and q8_0 files written under ``out`` once (reused after)."""
     source = target_gguf_for(args.verifier)
     found = {}
     for spec in [x.strip() for x in args.targets.split(",") if x.strip()]:
@@ -261,37 +138,9 @@ def targets(args, out: Path) -> dict[str, Path]:
     return found
 
 
-def summarize(runs: dict[str, list[list[dict]]], plain: list[list[int]]) -> dict[str, dict]:
-    """Per mode, from ``runs[mode][repeat][prompt]`` (completions + their ``tokens_eos_stripped``): speedup over
-    plain per repeat (pooled tok/s ratio), its median and range, τ, acceptance, ms per round, identity."""
-    out = {}
-    base = runs["plain"]
-    for mode, reps in runs.items():
-        speeds, ratios = [], []
-        for rep, rep_plain in zip(reps, base):
-            tok = sum(r["timings"]["predicted_n"] for r in rep)
-            ms = sum(r["timings"]["predicted_ms"] for r in rep)
-            tok_p = sum(r["timings"]["predicted_n"] for r in rep_plain)
-            ms_p = sum(r["timings"]["predicted_ms"] for r in rep_plain)
-            speeds.append(1000 * tok / ms)
-            ratios.append((tok / ms) / (tok_p / ms_p))
-        counts = [rounds_and_tau(r) for r in reps[0]]
-        generated, rounds = sum(c["generated"] for c in counts), sum(c["rounds"] for c in counts)
-        ms_round = statistics.median(sum(r["timings"]["predicted_ms"] for r in rep) /
-                                     max(sum(rounds_and_tau(r)["rounds"] for r in rep), 1) for rep in reps)
-        rounds_all = sum(rounds_and_tau(r)["rounds"] for rep in reps for r in rep)
-        ms_all = sum(r["timings"]["predicted_ms"] for rep in reps for r in rep)
-        identical = sum(all(r["tokens_eos_stripped"] == p for r in (rep[i] for rep in reps))
-                        for i, p in enumerate(plain))
-        out[mode] = {"tok_per_s": speeds, "tok_per_s_median": statistics.median(speeds),
-                     "speedup": ratios, "speedup_median": statistics.median(ratios),
-                     "speedup_min": min(ratios), "speedup_max": max(ratios),
-                     "win": min(ratios) > 1.0, "tau": (generated - len(counts)) / rounds if rounds else None,
-                     "drafted": sum(c["drafted"] for c in counts), "accepted": sum(c["accepted"] for c in counts),
-                     "ms_per_round_median": ms_round, "rounds_all_repeats": rounds_all,
-                     "ms_per_round_pooled": ms_all / rounds_all if rounds_all else None,
-                     "identical_prompts": identical, "prompts": len(plain)}
-    return out
+def mode_request(args) -> ModeRequest:
+    """The modes this run's flags ask for."""
+    return ModeRequest(args.draft_lengths, args.draft_modes, args.p_min, args.threads, args.ngram)
 
 
 def main(argv=None) -> None:
@@ -303,143 +152,6 @@ def main(argv=None) -> None:
         run_command(resummarize, argv[1])
         return
     run_command(run, parse_args(argv), shlex.join(["python", "benchmarks/llama_cpp_speed.py", *argv]))
-
-
-def spec_type_of_gguf(path: str, spec_type: str | None) -> str:
-    """The ``--spec-type`` of a draft ``.gguf``: ``spec_type`` if given, else ``draft-`` + its
-    ``general.architecture`` where the family writing that architecture serves it with that one type alone."""
-    arch = read_metadata(path).get("general.architecture")
-    guess = f"draft-{arch.value if arch else None}"
-    export = next((e for e in gguf_exports() if guess in e.spec_types), None)
-    if spec_type is None and export is not None and len(export.spec_types) == 1:
-        return guess
-    served = [t for e in gguf_exports() for t in e.spec_types]
-    if spec_type in served:
-        return spec_type
-    if spec_type is not None:
-        raise SpectrainError(f"--spec_type {spec_type}: not a draft type a registered family serves "
-                             f"({', '.join(served)})")
-    raise SpectrainError(f"--drafter {path}: its architecture does not say how llama.cpp serves it "
-                         f"({' or '.join(export.spec_types) if export else 'no registered draft type'}): pass "
-                         "--spec_type")
-
-
-def draft_files(args, out: Path) -> Draft:
-    """Our draft: the draft GGUF of every dtype a draft mode asks for (written from --drafter by its family's
-    writer, as ``spectrain-export --format gguf`` writes it), the ``--spec-type`` that serves it and the block its
-    writer pins. A ``.gguf`` --drafter is served as it is (f32 modes only)."""
-    if args.drafter.endswith(".gguf"):
-        spec_type = spec_type_of_gguf(args.drafter, args.spec_type)
-        wanted = sorted({m.dtype for m in draft_modes(args, spec_type.removeprefix("draft-"))})
-        if wanted not in ([], ["f32"]):
-            raise SpectrainError("--drafter is a .gguf: draft modes of another dtype need the drafter's directory")
-        return Draft(spec_type, {"f32": Path(args.drafter)})
-    if args.spec_type:
-        raise SpectrainError("--spec_type goes with a .gguf --drafter; a drafter directory is served as its family "
-                             "names")
-    drafter = import_drafter(args.drafter, fmt=args.drafter_format)
-    try:
-        gguf_export_of(drafter)  # llama.cpp serves it as trained, or the reason
-    except SpectrainError as why:
-        raise SpectrainError(f"--drafter: {why}") from None
-    target, method = target_gguf_for(args.verifier), method_of(drafter)
-    wanted = sorted({m.dtype for m in draft_modes(args, method)}) or ["f32"]
-    files: dict[str, Path] = {}
-    spec_type, block = None, None
-    for d in wanted:
-        path = out / (f"draft-{method}.gguf" if d == "f32" else f"draft-{method}-{d}.gguf")
-        serve = shlex.split(write_draft_gguf(drafter, path, target, DRAFT_DTYPES[d], force=True))
-        files[d] = path
-        if spec_type is None:  # the writer's flags: how its family serves the file, checked before the next dtype
-            spec_type = serve[serve.index("--spec-type") + 1]
-            if "--spec-draft-n-max" in serve:  # a block drafter drafts its whole block
-                block = int(serve[serve.index("--spec-draft-n-max") + 1])
-            draft_modes(args, spec_type.removeprefix("draft-"), block)
-    return Draft(spec_type, files, block)
-
-
-def forward_costs(bench: Path, target: Path, threads: int, sizes: list[int], repeats: int = 5) -> dict:
-    """The target's own forward cost by batch size, from ``llama-bench`` (nothing else running): ms of one forward
-    over n new tokens (``-p n``: what a verify pass of n = drafts + 1 tokens computes) and ms per token of plain
-    generation (``-n 16``), each the mean of ``repeats`` runs with its standard deviation."""
-    cmd = [str(bench), "-m", str(target), "-p", ",".join(map(str, sizes)), "-n", "16", "-t", str(threads),
-           "-r", str(repeats), "-o", "json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        raise SpectrainError(f"llama-bench failed: {proc.stderr[-800:]}")
-    rows = json.loads(proc.stdout)
-    out = {"command": cmd, "forward_ms": {}, "forward_ms_std": {}}
-    for r in rows:
-        if r["n_gen"]:
-            out["generate_ms_per_token"] = r["avg_ns"] / 1e6 / r["n_gen"]
-        else:
-            out["forward_ms"][str(r["n_prompt"])] = r["avg_ns"] / 1e6
-            out["forward_ms_std"][str(r["n_prompt"])] = r["stddev_ns"] / 1e6
-    return out
-
-
-def round_split(mode: dict, drafting: dict | None) -> dict:
-    """A mode's round split from llama.cpp's own draft timer: draft ms per round and the rest of the round."""
-    if not drafting:
-        return {}
-    rounds = mode["rounds_all_repeats"]
-    per_round = drafting["draft_ms"] / rounds if rounds else None
-    return {"draft_calls": drafting["calls"], "draft_ms": round(drafting["draft_ms"], 3),
-            "draft_ms_per_round": per_round, "rest_ms_per_round":
-                None if per_round is None else mode["ms_per_round_pooled"] - per_round}
-
-
-def round_costs(modes: dict[str, dict], costs: dict, p_min: float = 0.0) -> dict[str, dict]:
-    """Per draft mode of fixed length (no p-min): its round against plain decoding, from measured numbers only.
-
-    ``break_even_tau`` = ms per round / plain's ms per token (the τ a round needs to cost no more than plain
-    decoding of as many tokens); ``ceiling_speedup`` = (k + 1) × plain's ms per token / ms per round (every draft
-    accepted, at this round cost); the round's split: llama.cpp's draft timer, the target's forward over k + 1
-    tokens (``llama-bench``, ``costs``), and the rest (the draft's feature encoding and KV catch-up, which run
-    outside llama.cpp's draft timer, the server's own work per round, and attention at the context's depth,
-    which ``llama-bench -p`` times at depth 0). ``p_min``: the run's ``--p_min`` (modes drafting under one are
-    left out, as are those with their own)."""
-    plain = modes["plain"]["ms_per_round_pooled"]
-    out = {}
-    for name, m in modes.items():
-        mode = mode_of(name)
-        if mode is None or m.get("draft_ms_per_round") is None:
-            continue
-        if (p_min if mode.p_min is None else mode.p_min):  # drafts stop early: rounds of several lengths
-            continue
-        verify = costs["forward_ms"].get(str(mode.k + 1))
-        ms = m["ms_per_round_pooled"]
-        out[name] = {"k": mode.k, "ms_per_round": ms, "plain_ms_per_token": plain,
-                     "break_even_tau": ms / plain, "ceiling_speedup": (mode.k + 1) * plain / ms,
-                     "draft_ms": m["draft_ms_per_round"], "verify_ms_llama_bench": verify,
-                     "other_ms": None if verify is None else ms - m["draft_ms_per_round"] - verify}
-    return out
-
-
-def round_cost_table(name: str, rows: dict[str, dict]) -> str:
-    return format_table(["mode", "ms/round", "plain ms/token", "break-even tau", "ceiling (all accepted)",
-                         "draft ms", "verify ms (llama-bench)", "rest ms"],
-                        [[m, f"{r['ms_per_round']:.2f}", f"{r['plain_ms_per_token']:.2f}", f"{r['break_even_tau']:.3f}",
-                          f"{r['ceiling_speedup']:.3f}", f"{r['draft_ms']:.2f}",
-                          "-" if r["verify_ms_llama_bench"] is None else f"{r['verify_ms_llama_bench']:.2f}",
-                          "-" if r["other_ms"] is None else f"{r['other_ms']:.2f}"] for m, r in rows.items()],
-                        title=f"target {name}: a round against plain decoding")
-
-
-def resummarize(path: str) -> Path:
-    """``--resummarize FILE``: add :func:`round_costs` to every target of an existing result file (from its own
-    measured fields; nothing re-run), print them, write the file back atomically."""
-    path = Path(path)
-    record = read_json(path, "llama_cpp_speed result")
-    tables = []
-    try:
-        for name, target in record["targets"].items():
-            target["round_costs"] = round_costs(target["modes"], target["forward_costs"],
-                                                run_p_min(record.get("command", "")))
-            tables.append(round_cost_table(name, target["round_costs"]))
-    except KeyError as err:
-        raise SpectrainError(f"{path} lacks {err}: not a llama_cpp_speed.py result with forward costs") from None
-    return finish(record, path, tables)
 
 
 def sequential_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict, common: list[str],
@@ -544,27 +256,28 @@ def run(args, command: str = "") -> Path:
     verifier_dir = resolve_verifier(args.verifier)
     tokenizer = load_tokenizer(verifier_dir)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    draft = draft_files(args, out)
+    request = mode_request(args)
+    draft = draft_files(request, args.drafter, out, args.verifier, args.drafter_format, args.spec_type)
     texts = first_turns(args.prompts, args.num_prompts, out / "prompts.json", tokenizer)
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": t[0]}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=True)["input_ids"]
                   if getattr(tokenizer, "chat_template", None) else tokenizer(t[0])["input_ids"] for t in texts]
     # -lv 4: llama.cpp logs its speculative counters and draft timer at the end of every request
     common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", "2048", "-np", "1", "--seed", "0", "-lv", "4"]
-    mode_flags = modes(args, draft)
+    by_mode = mode_flags(request, draft)
     results, tables = {}, []
     for tname, tpath in targets(args, out).items():
-        runs, drafting = sequential_phase(args, server, tpath, tname, mode_flags, common, prompt_ids, eos,
+        runs, drafting = sequential_phase(args, server, tpath, tname, by_mode, common, prompt_ids, eos,
                                           out / "logs")
         plain = [r["tokens_eos_stripped"] for r in runs["plain"][0]]
         summary = summarize(runs, plain)
         for m in summary:
             summary[m].update(round_split(summary[m], drafting.get(m)))
         costs = forward_costs(find_binary("llama-bench", args.llama_cpp), tpath, args.threads,
-                              sorted({1, 2, *(m.k + 1 for m in draft_modes(args, draft.name, draft.block))}))
+                              sorted({1, 2, *(m.k + 1 for m in draft_modes(request, draft.name, draft.block))}))
         results[tname] = {"gguf": str(tpath), "modes": summary, "forward_costs": costs,
                           "round_costs": round_costs(summary, costs, args.p_min), "commands": {
-            m: [str(server), "-m", str(tpath), *common, *flags] for m, flags in mode_flags.items()},
+            m: [str(server), "-m", str(tpath), *common, *flags] for m, flags in by_mode.items()},
             "raw": {m: [[{"timings": r["timings"], "generated": len(r["tokens"])} for r in rep] for rep in reps]
                     for m, reps in runs.items()}}
         rows = [[m, f"{s['tok_per_s_median']:.1f}", f"{s['speedup_median']:.3f}",
@@ -583,7 +296,7 @@ def run(args, command: str = "") -> Path:
                                    [["ms", *(f"{v:.2f}" for v in costs["forward_ms"].values()),
                                      f"{costs['generate_ms_per_token']:.2f}"]], title=f"target {tname}"))
         if args.parallel and tname in (args.parallel_targets or tname).split(","):
-            par = parallel_phase(args, server, tpath, tname, mode_flags, common, prompt_ids, plain, eos, out / "logs")
+            par = parallel_phase(args, server, tpath, tname, by_mode, common, prompt_ids, plain, eos, out / "logs")
             results[tname]["parallel"] = par
             tables.append(format_table(
                 ["slots", "mode", "aggregate tok/s", "vs plain", "range", "accepted/drafted", "same as 1-slot plain"],

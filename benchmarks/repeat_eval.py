@@ -18,21 +18,22 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from spectrain.eval.cli import evaluate, parse_args as eval_args
 from spectrain.eval.decode_dtype import cpu_line, cpu_record
+from spectrain.eval.repeats import summarize_runs
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.report import finish, format_table
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    if "--" not in argv:
+    """(this script's flags, spectrain-eval's: everything after ``--``); ``--help`` before any ``--`` prints help."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    if split == len(argv) and not {"-h", "--help"} & set(argv):
         raise SpectrainError("usage: repeat_eval.py [--repeats N] [--out FILE] -- SPECTRAIN-EVAL FLAGS")
-    split = argv.index("--")
     p = argparse.ArgumentParser(prog="repeat_eval.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
@@ -41,22 +42,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.repeats < 1:
         raise SpectrainError(f"--repeats must be >= 1, got {args.repeats}")
     return args, argv[split + 1:]
-
-
-def summarize_runs(evals: list[dict]) -> dict:
-    """Per setting of the runs' ``results`` (AR left out): each run's τ, identity and speedup; the speedup's
-    median, min and max."""
-    settings = {}
-    for name in evals[0]["results"]:
-        if name == "ar":
-            continue
-        rows = [e["results"][name] for e in evals]
-        speedups = [r["speedup"] for r in rows]
-        settings[name] = {"tau": [r["tau"] for r in rows], "identical_to_ar": [r["identical_to_ar"] for r in rows],
-                          "speedup": statistics.median(speedups), "speedup_min": min(speedups),
-                          "speedup_max": max(speedups), "speedup_runs": speedups,
-                          "ar_tokens_per_second": [e["results"]["ar"]["tokens_per_second"] for e in evals]}
-    return settings
 
 
 def run(args: argparse.Namespace, eval_argv: list[str], command: str) -> Path:

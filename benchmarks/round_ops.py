@@ -9,7 +9,8 @@ one-hot q (what every round ran until the greedy fast path), ``after`` = :func:`
     python benchmarks/round_ops.py [--verifier bundled:smollm2] [--rounds 16] [--out runs/bench/round_ops.json]
 
 Counted with ``torch.profiler`` (top-level aten ops: those not called by another aten op) and a torch function
-mode (host reads: ``item``, ``tolist``, ``int``/``float``/``bool`` of a tensor, ``nonzero``). Drafter weights are
+mode (host reads: ``item``, ``tolist``, ``int``/``float``/``bool`` of a tensor, ``nonzero``:
+``spectrain.eval.host_reads.HostReads``). Drafter weights are
 random: the counts do not depend on them, only on the shapes. Prints a table and writes the JSON (its path is the
 last line printed).
 """
@@ -27,6 +28,7 @@ from spectrain.eval.accept import accept
 from spectrain.eval.decode import generate
 from spectrain.eval.drafters import Autoregressive, Drafter
 from spectrain.eval.eagle import EagleChainDrafter, EagleTreeDrafter
+from spectrain.eval.host_reads import HostReads
 from spectrain.eval.medusa import MedusaDrafter
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
@@ -35,23 +37,6 @@ from spectrain.heads.errors import run_command
 from spectrain.heads.medusa import MedusaHeads
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
-
-SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
-         torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero}
-
-
-class HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the tensor calls that read device values on the host (a stall each on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-        self.paused = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in SYNCS and not self.paused:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def tree_of(size: int, width: int = 4) -> Tree:

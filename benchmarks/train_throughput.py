@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,29 +37,6 @@ DEFAULT_BASELINE = "d113343"  # the last commit before bf16 training / packed st
 SMOLLM2 = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152)
 WORDS = ("the a cat dog sat on mat ran fast slow river hill tree bird sings quietly under over green blue house what "
          "is where why how king queen lord speak thou thee thy good night day love").split()
-
-
-# ----------------------------------------------------------------------------------------------- FLOP counting
-def flop_counter():
-    """torch's FLOP counter (every matmul and attention a step dispatches, backward and recompute included), with
-    the CPU attention kernel counted too: torch registers formulas for the GPU kernels only."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
-
-    aten = torch.ops.aten
-    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if forward is not None and forward not in flop_registry:
-        def attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
-            """Q K^T and P V: query (B, h, Sq, d), key (B, h', Sk, d), value (B, h', Sk, dv)."""
-            b, h, s_q, d = query
-            return 2 * b * h * s_q * key[-2] * (d + value[-1])
-
-        def attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-            return 2 * attention(query, key, value)  # dQ, dK, dV and dP: four products of a forward's two
-
-        register_flop_formula(forward)(attention)
-        register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)(attention_backward)
-    return FlopCounterMode(display=False)
 
 
 # ----------------------------------------------------------------------------------------------- setup (parent)
@@ -107,42 +85,17 @@ def build_workdir(work: Path, args) -> dict:
     return {"store_rows": len(rows), "store_tokens": sum(len(r["input_ids"]) for r in rows), "online_blocks": len(blocks)}
 
 
-def timed_methods(old_src: Path, wanted: str | None) -> dict[str, str]:
-    """The drafter methods to time, each with its family's training module as ``"package.module:Class"`` (the
-    family table's ``train_module``): every registered method with a SmolLM2 recipe in both trees, in registration
-    order, or those of ``wanted`` (``M,M``). Both sides import the module by that path, the old side from its own
-    tree (which may predate the family table)."""
-    from spectrain.heads.errors import SpectrainError
-    from spectrain.heads.families import families, family_for_method
-
-    def recipe(tree: Path, method: str) -> Path:
-        return tree / "configs" / f"{method}_smollm2.yaml"
-
-    methods = ([m.strip() for m in wanted.split(",") if m.strip()] if wanted
-               else [m for f in families() for m in f.methods
-                     if recipe(REPO, m).is_file() and recipe(old_src, m).is_file()])
-    modules = {}
-    for method in methods:
-        module = family_for_method(method, "--methods").train_module
-        if module is None:
-            raise SpectrainError(f"--methods: family {family_for_method(method).name} names no training module")
-        missing = [side for side, tree in (("new", REPO), ("old", old_src)) if not recipe(tree, method).is_file()]
-        if missing:
-            raise SpectrainError(f"--methods: {method} has no SmolLM2 recipe (configs/{method}_smollm2.yaml) in the "
-                                 f"{' and '.join(missing)} tree")
-        modules[method] = module if isinstance(module, str) else f"{module.__module__}:{module.__qualname__}"
-    if not modules:
-        raise SpectrainError("no drafter method has a SmolLM2 recipe in both trees: nothing to time")
-    return modules
-
-
 def baseline_tree(rev: str, work: Path) -> Path:
-    """The library at git revision ``rev`` as an importable ``spectrain`` package under ``work/old``."""
+    """The library at git revision ``rev`` as an importable ``spectrain`` package under ``work/old``, with this
+    tree's ``train/throughput.py`` copied in: both sides count FLOPs with the same counter."""
+    from spectrain.train import throughput
+
     root = work / "old"
     src = work / "old-src"
     src.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    shutil.copy(throughput.__file__, src / "train" / "throughput.py")
     (root / "spectrain").mkdir(parents=True, exist_ok=True)
     for part in ("heads", "data", "train", "eval", "configs"):
         (root / "spectrain" / part).symlink_to(src / part)
@@ -195,6 +148,7 @@ def worker(side: str, work: Path, args) -> dict:
     from spectrain.data.datamodule import DrafterDataModule
     from spectrain.data.store import extract
     from spectrain.heads.verifier import load_verifier
+    from spectrain.train.throughput import flop_counter  # in the old tree too: baseline_tree copies it there
 
     torch.set_num_threads(args.threads)
     code = Path(base.__file__).resolve().parents[1]
@@ -341,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str] | None = None) -> None:
+    from spectrain.train.throughput import timed_methods  # the parent: this tree's
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="runs/bench/train_throughput.json")
     p.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of the 'old' side")
@@ -364,7 +320,7 @@ def _main(argv: list[str] | None = None) -> None:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         old_root = baseline_tree(args.baseline, work)
-        methods = timed_methods(work / "old-src", args.methods)  # before the verifier is built: bad input fails fast
+        methods = timed_methods(work / "old-src", args.methods, REPO)  # before the verifier: bad input fails fast
         (work / "methods.json").write_text(json.dumps(methods))
         setup = build_workdir(work, args)
         peaks = {d: matmul_peak(d) for d in ("float32", "bfloat16")}

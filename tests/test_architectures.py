@@ -224,14 +224,19 @@ def test_medusa_eagle1_and_eagle3_train_and_evaluate_on_the_family(name, saved_f
 
 @pytest.mark.integration
 def test_the_gpu_check_takes_another_family(tmp_path):
-    """``gpu_check.py --family gemma2`` (CPU sizes): its verifier decodes through its own layers, greedy identical."""
+    """``python benchmarks/gpu_check.py --family gemma2`` (CPU sizes): its verifier decodes through its own layers,
+    greedy identical."""
     import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from tests.scripts import load_script
-
-    gpu_check = load_script("gpu_check")
-    path = gpu_check.main(["--small", "--device", "cpu", "--out", str(tmp_path), "--num_prompts", "2",
-                           "--max_new_tokens", "16", "--family", "gemma2", "--speed_checks", "off"])
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--small", "--device", "cpu", "--out", str(tmp_path),
+                           "--num_prompts", "2", "--max_new_tokens", "16", "--family", "gemma2", "--speed_checks",
+                           "off"], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = Path(proc.stdout.strip().splitlines()[-1])
     summary = json.loads(path.read_text())
     assert summary["verifier"]["family"] == "gemma2" and summary["decoder"] == "layers"
     assert summary["checks"]["fp32_greedy_identical"] == {"chain-4": True, "tree-32": True} and summary["passed"]

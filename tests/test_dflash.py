@@ -663,15 +663,14 @@ def test_engine_check_dflash_control_drafts_its_token_through_the_mask_slots_onl
     """The engine check's DFlash control proposes its token in every slot, read back from its speculators export
     (the layout vLLM gets); filled with another mask token it proposes something else. Its two mistaken exports
     differ from the right one in exactly the field they break."""
+    from spectrain.eval.engine_controls import dflash_control, mistaken_export
     from spectrain.heads.formats import export_drafter, import_drafter
     from spectrain.heads.io import read_json
-    from tests.scripts import load_script
 
-    engine_check = load_script("engine_check")
     model, _ = bigram
     head = model.get_output_embeddings().weight.float()
     token = next(t for t in range(head.shape[0]) if int((head @ head[t]).argmax()) == t)
-    control = engine_check.dflash_control(model, None, token, drafts=4)
+    control = dflash_control(model, None, token, drafts=4)
     export = export_drafter(control, "speculators-dflash", tmp_path / "control",
                             verifier_lm_head=model.get_output_embeddings(), verifier_name="v")
 
@@ -695,18 +694,17 @@ def test_engine_check_dflash_control_drafts_its_token_through_the_mask_slots_onl
     assert any(p != [token] * 4 for p in proposals(loaded))
     right = read_json(export / "config.json", "config")
     for mistake, field in (("layers", "aux_hidden_state_layer_ids"), ("mask", "mask_token_id")):
-        wrong = read_json(engine_check.mistaken_export(export, tmp_path / mistake, mistake, head.shape[0])
+        wrong = read_json(mistaken_export(export, tmp_path / mistake, mistake, head.shape[0])
                           / "config.json", "config")
         assert {k for k in right if right[k] != wrong[k]} == {field}
 
 
 def test_engine_check_verdicts_can_fail():
-    """engine_check.judge on made-up engine runs: a block drafter passes only with identical outputs, τ in the band
-    and the engine resolving its own layers and mask token; a mistaken export passes only when the engine resolved
-    something else; a control only at its predicted count."""
-    from tests.scripts import load_script
-
-    judge = load_script("engine_check").judge
+    """The vLLM check's verdict (engine_verdicts.vllm_verdict) on made-up engine runs: a block drafter passes only
+    with identical outputs, τ in the band and the engine resolving its own layers and mask token; a mistaken export
+    passes only when the engine resolved something else; a control only at its predicted count."""
+    from spectrain.eval.engine_controls import predicted_acceptance
+    from spectrain.eval.engine_verdicts import vllm_verdict as judge
     expected = {"target_layer_ids": [1, 3], "mask_token_id": 0}
     greedy = [[5, 7, 7, 9], [7, 7, 7, 2]]
     ours = {"tau": 2.0, "accepted": 10, "rounds": 10}
@@ -731,7 +729,6 @@ def test_engine_check_verdicts_can_fail():
     control = {"control_token": 7, "expected": expected}
     # by hand: each output's one round (after the prefill token) sees 7, 7 then another token: 2 + 2 accepted
     predicted = 4
-    predicted_acceptance = load_script("engine_check").predicted_acceptance
     assert predicted_acceptance(greedy, 7, 3) == {"num_drafts": 2, "num_accepted_tokens": predicted}
     # and rounds that accept a whole chain: [5 | 7 7 (1) | 7 7 (7) | (2)] at k = 2 is 3 rounds, 2 + 2 + 0
     assert predicted_acceptance([[5, 7, 7, 1, 7, 7, 7, 2]], 7, 2) == {"num_drafts": 3, "num_accepted_tokens": 4}

