@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from spectrain.data.bundled import bundled_text_path, split_text
+from spectrain.data.bundled import bundled_text_path
+from spectrain.data.text import split_text
 from spectrain.data.family_verifiers import FAMILY_OPTIONS, SIZES, train_verifier
-from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
 from spectrain.eval.families import evaluator_of
 from spectrain.eval.prompts import load_prompts
 from spectrain.eval.static_model import StaticCausalLM
@@ -99,9 +100,9 @@ def measure(family: str, args, work: Path, log) -> dict:
     drafter = load_drafter(str(run), verifier)
     drafter_family = family_of(drafter)
     grows = evaluator_of(drafter_family).dynamic_trees  # else chains only: its tree columns are None
-    result = evaluate_drafter(verifier, prompts, method=drafter_family.name, drafter=drafter, k=args.k,
-                              dynamic_tree=(depth, topk, budget) if grows else None,
-                              max_new_tokens=args.max_new_tokens, chat_template=False, hf_generate=0, costs=False)
+    settings = EvalSettings(k=args.k, dynamic_tree=(depth, topk, budget) if grows else None,
+                            max_new_tokens=args.max_new_tokens, chat_template=False, hf_generate=0, costs=False)
+    result = evaluate_drafter(verifier, prompts, drafter, settings)
     chain = result.results[f"chain-{args.k}"]
     tree = result.results[f"dynamic-{depth}x{topk}-{budget}"] if grows else {"tau": None, "identical_to_ar": None}
     row = {"family": family, "decoder": result.decoder, "logits_path": path, "logits_max_abs_diff": diff,

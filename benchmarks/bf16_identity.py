@@ -19,11 +19,12 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from spectrain.eval.cli import divergence_line, dynamic_tree
-from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
 from spectrain.eval.families import evaluator_of
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import run_command
@@ -58,11 +59,10 @@ def run(args: argparse.Namespace, command: str):
     drafter = load_drafter(args.drafter, verifier, fmt=args.drafter_format)
     family = family_of(drafter)
     tree = dynamic_tree(args.dynamic_tree) if evaluator_of(family).dynamic_trees else None  # else the chain alone
+    settings = EvalSettings(k=args.k, dynamic_tree=tree, max_new_tokens=args.max_new_tokens, hf_generate=0, costs=False)
     modes, rows, lines = {}, [], []
     for name, invariant in (("old: batch_invariant off", False), ("new: batch_invariant on", True)):
-        result = evaluate_drafter(verifier, prompts, method=family.name, drafter=drafter, k=args.k,
-                                  dynamic_tree=tree, max_new_tokens=args.max_new_tokens,
-                                  hf_generate=0, costs=False, batch_invariant=invariant)
+        result = evaluate_drafter(verifier, prompts, drafter, replace(settings, batch_invariant=invariant))
         modes[name] = {"batch_invariant": invariant, "results": result.results}
         for setting, r in result.results.items():
             d = r.get("divergences")

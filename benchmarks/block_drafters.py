@@ -23,11 +23,12 @@ import shlex
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
 from spectrain.eval.cli import dynamic_tree, named_values
-from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
 from spectrain.eval.families import evaluator_of
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
@@ -61,6 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     run_command(run, parse_args(argv), shlex.join(["python", "benchmarks/block_drafters.py", *argv]))
 
 
+def settings_from_args(args) -> EvalSettings:
+    """What every call decodes with (a drafter's own chain length and its dynamic tree are set per call)."""
+    return EvalSettings(k=args.k, max_new_tokens=args.max_new_tokens, hf_generate=0)
+
+
 def rows_of(label: str, result, path: str) -> list[dict]:
     out = []
     for setting, r in result.results.items():
@@ -88,9 +94,9 @@ def run(args: argparse.Namespace, command: str):
     bundled = args.prompts.startswith("bundled:")
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, first_turns=not bundled,
                            spread=not bundled)
-    common = dict(max_new_tokens=args.max_new_tokens, hf_generate=0)
-    evaluate_drafter(verifier, prompts[:2], method="none", max_new_tokens=16, hf_generate=0)  # warm-up, untimed
-    ar = evaluate_drafter(verifier, prompts, method="none", **common)
+    common = settings_from_args(args)
+    evaluate_drafter(verifier, prompts[:2], "none", replace(common, max_new_tokens=16))  # warm-up, untimed
+    ar = evaluate_drafter(verifier, prompts, "none", common)
     reference, ar_summary = ar.per_prompt["ar"], ar.results["ar"]
     rows, calls = [], []
     tree = dynamic_tree(args.dynamic_tree) if args.dynamic_tree else None
@@ -98,9 +104,8 @@ def run(args: argparse.Namespace, command: str):
         drafter = load_drafter(path, verifier)
         family = family_of(drafter)
         grows = tree is not None and evaluator_of(family).dynamic_trees
-        options = dict(k=chains.get(name, args.k), reference=reference, **common,
-                       **(dict(dynamic_tree=tree) if grows else {}))
-        result = evaluate_drafter(verifier, prompts, method=family.name, drafter=drafter, **options)
+        settings = replace(common, k=chains.get(name, args.k), dynamic_tree=tree if grows else None)
+        result = evaluate_drafter(verifier, prompts, drafter, settings, reference=reference)
         calls.append({"drafter": name, "path": path, "results": result.results, "costs": result.costs})
         rows += rows_of(name, result, path)
         if name in exports:  # the export, loaded back, decodes the same chain
@@ -109,14 +114,14 @@ def run(args: argparse.Namespace, command: str):
                                      verifier_lm_head=verifier.model.get_output_embeddings(),
                                      verifier_name=args.verifier)
                 again = load_drafter(str(out), verifier)
-                options.pop("dynamic_tree", None)
-                back = evaluate_drafter(verifier, prompts, method=family.name, drafter=again, **options)
+                back = evaluate_drafter(verifier, prompts, again, replace(settings, dynamic_tree=None),
+                                        reference=reference)
             rows += rows_of(f"{name} via {exports[name]}", back, path)
-            setting = f"chain-{options['k']}"
+            setting = f"chain-{settings.k}"
             rows[-1]["same_tokens_as_run_dir"] = all(
                 a["tokens"] == b["tokens"] for x, y in zip(result.per_prompt[setting], back.per_prompt[setting])
                 for a, b in zip(x["turns"], y["turns"]))
-    ar_end = evaluate_drafter(verifier, prompts, method="none", **common).results["ar"]
+    ar_end = evaluate_drafter(verifier, prompts, "none", common).results["ar"]
     summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "verifier": args.verifier,
                "drafters": paths, "prompts": args.prompts, "num_prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "device": "cpu",

@@ -20,10 +20,11 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
-from spectrain.eval.evaluate import encode_turn, evaluate_drafter, load_drafter
+from spectrain.eval.evaluate import EvalSettings, encode_turn, evaluate_drafter, load_drafter
 from spectrain.eval.prompts import load_prompts
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.heads.errors import run_command
@@ -55,6 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     run_command(run, parse_args(argv), shlex.join(["python", "benchmarks/decoder_paths.py", *argv]))
 
 
+def settings_from_args(args, decoder: str) -> EvalSettings:
+    """What every call decodes with: the drafter's chain of --k through the verifier's ``decoder`` path."""
+    return EvalSettings(k=args.k, max_new_tokens=args.max_new_tokens, hf_generate=0, costs=False, decoder=decoder)
+
+
 def turn_tokens(per_prompt: list[dict]) -> list[list[int]]:
     return [turn["tokens"] for prompt in per_prompt for turn in prompt["turns"]]
 
@@ -73,14 +79,13 @@ def run(args: argparse.Namespace, command: str):
     drafter = load_drafter(args.drafter, verifier)
     method = family_of(drafter).name
     chain = f"chain-{args.k}"
-    common = dict(method=method, drafter=drafter, k=args.k, max_new_tokens=args.max_new_tokens, hf_generate=0,
-                  costs=False)
+    settings = {path: settings_from_args(args, path) for path in PATHS}
     for path in PATHS:  # warm-up, untimed
-        evaluate_drafter(verifier, prompts[:1], **{**common, "max_new_tokens": 16}, decoder=path)
+        evaluate_drafter(verifier, prompts[:1], drafter, replace(settings[path], max_new_tokens=16))
     calls = {path: [] for path in PATHS}
     for _ in range(args.repeats):
         for path in PATHS:
-            result = evaluate_drafter(verifier, prompts, **common, decoder=path)
+            result = evaluate_drafter(verifier, prompts, drafter, settings[path])
             assert result.decoder == path
             calls[path].append(result)
             print(f"{path}: AR {result.results['ar']['tokens_per_second']:.2f} tok/s, {chain} "

@@ -18,7 +18,8 @@ import torch
 from spectrain.data.distill import generate_batch
 from spectrain.heads.errors import run_command
 from spectrain.heads.report import finish, format_table
-from spectrain.heads.verifier import load_verifier, resolve_dtype
+from spectrain.heads.precision import resolve_dtype
+from spectrain.heads.verifier import load_verifier
 
 
 def main_(args) -> Path:

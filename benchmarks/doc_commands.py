@@ -33,7 +33,7 @@ from spectrain.heads.report import finish, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {"spectrain-eval": "spectrain.eval.cli", "spectrain-results": "spectrain.eval.results",
-        "spectrain-extract": "spectrain.data.store", "spectrain-export": "spectrain.heads.export_cli",
+        "spectrain-extract": "spectrain.data.extract", "spectrain-export": "spectrain.heads.export_cli",
         "spectrain-distill": "spectrain.data.distill", "spectrain-build-verifier": "spectrain.data.bundled"}
 TRAIN = {"train_medusa": "medusa_tinyshakespeare.yaml", "train_eagle": "eagle3_tinyshakespeare.yaml",
          "train_dflash": "dflash_tinyshakespeare.yaml", "spectrain-train": None}  # None: the --config alone
@@ -119,10 +119,9 @@ def check(argv: list[str], redirect: str | None = None) -> str:
                 main(rest)
             except Parsed as parsed:
                 if program == "spectrain-eval":  # the drafting options, through the API's own checks
-                    from spectrain.eval.cli import draft_options
-                    from spectrain.eval.evaluate import Settings
+                    from spectrain.eval.cli import checked
 
-                    Settings(**draft_options(parsed.args[0])).check()
+                    checked(parsed.args[0])
                 return "flags (argparse)"
             except SystemExit as e:
                 raise SpectrainError(f"refused its arguments (exit {e.code}): {err.getvalue().strip()[-300:]}") from None

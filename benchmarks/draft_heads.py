@@ -29,15 +29,16 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from spectrain.eval.cli import dynamic_tree, named_values
 from spectrain.eval.decode_dtype import cpu_line, cpu_record, decode_dtype
-from spectrain.eval.evaluate import evaluate_drafter, in_loop_costs, load_drafter, summarize
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, in_loop_costs, load_drafter, summarize
 from spectrain.eval.prompts import load_prompts
 from spectrain.eval.repeats import check_repeats, merge_repeats
-from spectrain.eval.results import drafter_formats
+from spectrain.eval.results import RowCall, drafter_formats
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.eval.families import check_chain_depth, check_confidence, evaluator_of
 from spectrain.heads.families import family_of
@@ -94,6 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def settings_from_args(args) -> EvalSettings:
+    """What every call decodes with: ``--max_new_tokens``, no HF timing (each job sets its chain, tree, draft
+    vocabulary and lookup by ``replace``)."""
+    return EvalSettings(max_new_tokens=args.max_new_tokens, hf_generate=0)
+
+
 def sizes(spec: str, what: str) -> list[int]:
     try:
         out = [int(x) for x in spec.split(",")]
@@ -115,18 +122,20 @@ def row(label: str, draft_vocab, setting: str, r: dict, ar_tokens_per_second: fl
             "ar_tokens_per_second": ar_tokens_per_second, "identical_turns": identical}
 
 
-def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, dict]], common: dict, offset: int = 0):
+def interleaved(verifier, prompts: list[list[str]], jobs: list[tuple[str, str, RowCall]], common: EvalSettings,
+                offset: int = 0):
     """Prompt by prompt: AR on it, then every job on it, each job first in turn (``--interleave``), so a drift of
     the machine's speed — ±15 % within minutes on shared cores — reaches AR and every drafter alike. Each setting's
     turns are pooled over the prompts (:func:`summarize`, as one call would) and its speedup taken against the
     pooled AR. ``offset`` turns the order again (a repeat's). Returns (rows, calls, the pooled AR summary)."""
     ar_records, pooled = [], {}  # pooled[(label, draft vocab, setting)] = {"records", "depth", "identical", ...}
     for i, prompt in enumerate(prompts):
-        ar = evaluate_drafter(verifier, [prompt], method="none", costs=False, **common).per_prompt["ar"]
+        ar = evaluate_drafter(verifier, [prompt], "none", common).per_prompt["ar"]
         ar_records += ar
         first = (i + offset) % len(jobs)
-        for label, _, options in jobs[first:] + jobs[:first]:  # each job first in turn
-            result = evaluate_drafter(verifier, [prompt], reference=ar, costs=False, **options, **common)
+        for label, _, call in jobs[first:] + jobs[:first]:  # each job first in turn
+            result = evaluate_drafter(verifier, [prompt], call.method, replace(call.settings, costs=False),
+                                      drafter=call.drafter, reference=ar)
             for setting, r in result.results.items():
                 if setting == "ar":
                     continue
@@ -201,9 +210,9 @@ def run(args: argparse.Namespace, command: str):
                            (getattr(torch, args.dtype), {"rule": "set by --dtype"}))
     verifier = load_verifier(args.verifier, dtype=dtype)
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, first_turns=True, spread=True)
-    common = dict(max_new_tokens=args.max_new_tokens, hf_generate=0)
-    warm = evaluate_drafter(verifier, prompts[:2], method="none", max_new_tokens=16, hf_generate=0)  # untimed
-    jobs = []  # (label, drafter path, evaluate_drafter keywords)
+    common = settings_from_args(args)
+    warm = evaluate_drafter(verifier, prompts[:2], "none", replace(common, max_new_tokens=16))  # untimed
+    jobs = []  # (label, drafter path, its evaluate_drafter call)
     for name, path in paths.items():
         drafter = load_drafter(path, verifier, fmt=formats.get(name))
         method = family_of(drafter).name
@@ -220,33 +229,35 @@ def run(args: argparse.Namespace, command: str):
         for how, n, lookup in [(method, n, 0) for n in own] + [("hybrid", n, lookup) for n in hybrid_vocabs
                                                                 for lookup in lookups]:
             label = name if how != "hybrid" else f"hybrid-{name}" + (f"-lookup{lookup}" if lookup else "")
-            jobs.append((label, path, dict(method=how, drafter=drafter, k=k, draft_vocab=n, lookup=lookup, **tree)))
+            jobs.append((label, path, RowCall(how, drafter, replace(common, k=k, draft_vocab=n, lookup=lookup,
+                                                                    **tree))))
         for other in lengths[1:]:  # further chain lengths: the drafter alone, chains only, at each vocabulary
-            jobs += [(name, path, dict(method=method, drafter=drafter, k=other, draft_vocab=n)) for n in own]
+            jobs += [(name, path, RowCall(method, drafter, replace(common, k=other, draft_vocab=n))) for n in own]
         if confidences.get(name):
             check_confidence(drafter)  # before any job runs
         for level in confidences.get(name, []):  # the chain alone, at its default draft head
-            jobs.append((f"{name}-conf{level:g}", path, dict(method=method, drafter=drafter, k=k,
-                                                             min_confidence=level)))
+            jobs.append((f"{name}-conf{level:g}", path, RowCall(method, drafter,
+                                                                replace(common, k=k, min_confidence=level))))
     if args.interleave:  # AR of every prompt decoded beside its drafters (pooled); no separate AR passes
         rows, calls, ar_summary = merge_repeats([interleaved(verifier, prompts, jobs, common, offset=r)
                                                  for r in range(args.repeats)])
         ar_end = None
     else:
-        ar = evaluate_drafter(verifier, prompts, method="none", **common)
+        ar = evaluate_drafter(verifier, prompts, "none", common)
         reference, ar_summary = ar.per_prompt["ar"], ar.results["ar"]
         rows, calls = [], []
-        for label, path, options in jobs:
+        for label, path, call in jobs:
             if args.ar_each:  # AR again, just before: this call's speedups and lossless check are against it
-                reference = evaluate_drafter(verifier, prompts, method="none", **common).per_prompt["ar"]
-            result = evaluate_drafter(verifier, prompts, reference=reference, **options, **common)
+                reference = evaluate_drafter(verifier, prompts, "none", common).per_prompt["ar"]
+            result = evaluate_drafter(verifier, prompts, call.method, call.settings, drafter=call.drafter,
+                                      reference=reference)
             calls.append({"drafter": label, "path": path, "draft_vocab": result.draft_vocab,
                           "results": result.results, "costs": result.costs, "planner": result.planner})
             for setting, r in result.results.items():
                 if setting != "ar":
                     rows.append(row(label, result.draft_vocab, setting, r, result.results["ar"]["tokens_per_second"],
                                     f"{r['identical_turns']}/{r['divergences']['turns']}"))
-        ar_end = evaluate_drafter(verifier, prompts, method="none", **common).results["ar"]
+        ar_end = evaluate_drafter(verifier, prompts, "none", common).results["ar"]
     summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "verifier": args.verifier,
                "drafters": paths, **({"drafter_formats": formats} if formats else {}), "prompts": args.prompts,
                "num_prompts": len(prompts),

@@ -26,18 +26,20 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from spectrain.data.bundled import bundled_text_path, split_text
+from spectrain.data.bundled import bundled_text_path
+from spectrain.data.text import split_text
 from spectrain.data.family_verifiers import FAMILY_OPTIONS, train_verifier
 from spectrain.data.text import tokenize_lines
-from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
 from spectrain.eval.prompts import load_prompts
 from spectrain.eval.speed_targets import failed_checks, speed_checks
 from spectrain.heads.errors import run_command
-from spectrain.heads.families import family_of, resolve_class_path
+from spectrain.heads.families import resolve_class_path
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
 
@@ -122,17 +124,18 @@ def _main(argv: list[str] | None = None) -> Path:
     verifier_dir, verifier_info = train_verifier(out / "verifier", size, device, log, args.family)
     heads_info = train_heads(verifier_dir, out / "heads", size, device, log)
 
-    def measure(dtype: torch.dtype, num_prompts: int, max_new_tokens: int, **options) -> dict:
+    chain_and_tree = EvalSettings(k=4, tree="auto:32", chat_template=False)  # what both runs decode
+
+    def measure(dtype: torch.dtype, num_prompts: int, settings: EvalSettings) -> dict:
         verifier = load_verifier(str(verifier_dir), dtype=dtype, device=args.device)
         prompts = load_prompts("bundled:tinyshakespeare", num_prompts, verifier.tokenizer, prompt_tokens=64)
         drafter = load_drafter(str(out / "heads"), verifier)
-        result = evaluate_drafter(verifier, prompts, method=family_of(drafter).name, drafter=drafter, k=4,
-                                  tree="auto:32", chat_template=False, max_new_tokens=max_new_tokens, **options)
-        return result.to_dict()
+        return evaluate_drafter(verifier, prompts, drafter, settings).to_dict()
 
-    fast = measure(torch.bfloat16 if device.type == "cuda" else torch.float32, args.num_prompts, args.max_new_tokens,
-                   compile=device.type == "cuda", hf_generate=3)
-    exact = measure(torch.float32, 3, 64, hf_generate=0)
+    fast = measure(torch.bfloat16 if device.type == "cuda" else torch.float32, args.num_prompts,
+                   replace(chain_and_tree, max_new_tokens=args.max_new_tokens, compile=device.type == "cuda",
+                           hf_generate=3))
+    exact = measure(torch.float32, 3, replace(chain_and_tree, max_new_tokens=64, hf_generate=0))
     r, hf = fast["results"], fast["hf_generate"]
     rows = [["HF generate()" + (" (static, compiled)" if device.type == "cuda" else ""), "-",
              hf["tokens_per_second"], "-", "-", "-", "-"]]

@@ -55,7 +55,8 @@ def build_verifier(out: Path, size: str) -> Path:
     """A random-weight Llama with grouped-query attention and a BPE tokenizer trained on the bundled text."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from spectrain.data.bundled import bundled_text_path, split_text, train_tokenizer
+    from spectrain.data.bundled import bundled_text_path, train_tokenizer
+    from spectrain.data.text import split_text
 
     hidden, layers, heads, kv_heads, inter, vocab, _, _ = SIZES[size]
     train_text, _ = split_text(bundled_text_path().read_text())
@@ -74,8 +75,8 @@ def token_blocks(verifier_dir: Path, size: str) -> tuple[list[dict], list[dict]]
     """Train / validation rows: ``block``-token windows of the bundled text, every token a target."""
     from transformers import AutoTokenizer
 
-    from spectrain.data.bundled import bundled_text_path, split_text
-    from spectrain.data.text import tokenize_lines
+    from spectrain.data.bundled import bundled_text_path
+    from spectrain.data.text import split_text, tokenize_lines
 
     block = SIZES[size][6]
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
@@ -472,8 +473,7 @@ def own_evaluate(args, state: dict) -> dict:
     """Step 5: the trained drafter in our lossless loop (chain of :data:`OWN_CHAIN`, T = 0) on the first prompts;
     returns τ, α and whether every output equals plain greedy decoding (else: every parting a measured near-tie)."""
     from spectrain.data.distill import prompts_of
-    from spectrain.eval.evaluate import evaluate_drafter
-    from spectrain.heads.families import family_of
+    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter
     from spectrain.heads.verifier import Verifier
 
     size, module = OWN_SIZES[args.size], state["module"]
@@ -481,8 +481,8 @@ def own_evaluate(args, state: dict) -> dict:
     drafter = module.plain_drafter().to(param.device, param.dtype).eval()
     verifier = Verifier(model=module.verifier, tokenizer=module.tokenizer, name=module.verifier_name)
     prompts = [turns for turns in (prompts_of(r, 1)[1] for r in state["records"][:size.eval_prompts]) if turns]
-    result = evaluate_drafter(verifier, prompts, method=family_of(drafter).name, drafter=drafter, k=OWN_CHAIN,
-                              max_new_tokens=size.eval_new_tokens, temperature=0.0, hf_generate=0, costs=False)
+    result = evaluate_drafter(verifier, prompts, drafter, EvalSettings(
+        k=OWN_CHAIN, max_new_tokens=size.eval_new_tokens, temperature=0.0, hf_generate=0, costs=False))
     chain = result.results[f"chain-{OWN_CHAIN}"]
     parted = chain.get("divergences") or {}
     record = {"method": result.method, "prompts": len(prompts), "k": OWN_CHAIN, "tau": chain["tau"],

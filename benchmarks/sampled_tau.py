@@ -21,13 +21,13 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import replace
 
 from spectrain.eval.cli import named_values
-from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
 from spectrain.eval.families import check_chain_depth
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.families import family_of
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
 
@@ -83,14 +83,14 @@ def run(args: argparse.Namespace, command: str):
     drafters = {name: load_drafter(path, verifier) for name, path in runs.items()}  # every path checked first
     for name, drafter in drafters.items():  # and every chain, before anything is decoded
         check_chain_depth(name, drafter, chains.get(name, args.k))
+    common = EvalSettings(max_new_tokens=args.max_new_tokens, seed=args.seed, hf_generate=0, costs=False)
     rows = []
     for temperature in temps:
         reference = None  # AR is decoded by the first drafter's call, then reused: the T = 0 identity reference
         for name, drafter in drafters.items():
             k = chains.get(name, args.k)
-            result = evaluate_drafter(verifier, prompts, method=family_of(drafter).name, drafter=drafter, k=k,
-                                      max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed,
-                                      hf_generate=0, costs=False, reference=reference)
+            settings = replace(common, k=k, temperature=temperature)
+            result = evaluate_drafter(verifier, prompts, drafter, settings, reference=reference)
             reference = result.per_prompt["ar"]
             r = result.results[f"chain-{k}"]
             rows.append({"drafter": name, "path": runs[name], "temperature": temperature, "k": k,

@@ -4,7 +4,7 @@ The main job must run offline on a fresh clone, so the default verifier is built
 here on first use: a byte-level BPE tokenizer and a 6-layer Llama trained on the
 training split of the bundled text, saved as an ordinary HF model directory
 under ``$SPECTRAIN_CACHE`` (default ``~/.cache/spectrain``). The contiguous
-held-out split (:func:`split_text`) is the same one the drafters validate on
+held-out split (:func:`~.text.split_text`) is the same one the drafters validate on
 and the evaluator draws its prompts from.
 
 Run on its own: ``spectrain-build-verifier [--force]``.
@@ -26,35 +26,18 @@ from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.io import atomic_dir, cache_root
 from spectrain.heads.schedule import cosine_with_warmup
 
+from .text import split_text, tokenize_lines
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-VAL_FRACTION = 0.1
 
 
 def bundled_text_path() -> Path:
     """Path of the bundled tinyshakespeare text (1,115,394 bytes)."""
     return Path(str(resources.files("spectrain.data").joinpath("tinyshakespeare.txt")))
-
-
-def split_text(text: str, val_fraction: float = VAL_FRACTION) -> tuple[str, str]:
-    """Contiguous split: the last ``val_fraction`` of the lines is held out.
-
-    Splitting on a line boundary keeps the two halves identical whether the text
-    is read whole (here) or line by line (``datasets`` in the data module).
-    """
-    if not 0.0 < val_fraction < 1.0:
-        raise SpectrainError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    lines = text.splitlines(keepends=True)
-    cut = split_index(len(lines), val_fraction)
-    return "".join(lines[:cut]), "".join(lines[cut:])
-
-
-def split_index(num_lines: int, val_fraction: float = VAL_FRACTION) -> int:
-    """Index of the first held-out line."""
-    return num_lines - max(1, int(round(num_lines * val_fraction)))
 
 
 @dataclass
@@ -165,7 +148,6 @@ def build_tiny_verifier(out_dir: Path, recipe: TinyVerifierRecipe, log=_log) -> 
     torch.manual_seed(recipe.seed)
     train_text, val_text = split_text(bundled_text_path().read_text())
     tokenizer = train_tokenizer(train_text, recipe.vocab_size)
-    from .text import tokenize_lines
 
     train_ids = torch.tensor(tokenize_lines(tokenizer, train_text.splitlines(keepends=True)))
     val_ids = torch.tensor(tokenize_lines(tokenizer, val_text.splitlines(keepends=True)))

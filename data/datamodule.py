@@ -24,8 +24,9 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.io import atomic_dir
 from spectrain.heads.verifier import load_tokenizer
 
-from .bundled import VAL_FRACTION, bundled_text_path
+from .bundled import bundled_text_path
 from .loader import EveryNth, RankShare, is_map_style, rank_and_world
+from .text import VAL_FRACTION, text_blocks
 from .truncation import Truncation
 
 log = logging.getLogger(__name__)
@@ -146,8 +147,6 @@ class DrafterDataModule(L.LightningDataModule):
             self._warn_truncation()
             return
         if fmt == "text":
-            from .text import text_blocks
-
             path = bundled_text_path() if self.path is None else self.path
             self.train_set, self.val_set = text_blocks(path, self.tokenizer, self.block_size, self.val_fraction)
         elif fmt == "chat":

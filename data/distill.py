@@ -550,7 +550,8 @@ def run(args) -> Path:
     if args.server:
         counts, tokenizer, served = run_served(args, records, settings, out)
     else:
-        from spectrain.heads.verifier import load_verifier, resolve_dtype
+        from spectrain.heads.precision import resolve_dtype
+        from spectrain.heads.verifier import load_verifier
 
         verifier = load_verifier(args.verifier, gguf_file=args.gguf_file, device=args.device,
                                  dtype=resolve_dtype(args.dtype, args.device))
@@ -630,7 +631,8 @@ def tokenizer_stops(verifier: str, tokenizer) -> list[int]:
 def run_served(args, records: list[dict], settings: dict, out: Path) -> tuple[dict, object, dict]:
     """``--server``: endpoints resolved, the served-verifier check (unless skipped), then :func:`distill_served`.
     Returns (counts, the verifier's tokenizer, the served record kept in the metadata and the summary)."""
-    from spectrain.heads.verifier import load_tokenizer, load_verifier, resolve_dtype
+    from spectrain.heads.precision import resolve_dtype
+    from spectrain.heads.verifier import load_tokenizer, load_verifier
 
     from .engine import NEAR_TIE, Endpoint
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from spectrain.data.bundled import bundled_text_path, split_text, train_tokenizer
+from spectrain.data.bundled import bundled_text_path, train_tokenizer
+from spectrain.data.text import split_text
 from spectrain.data.text import tokenize_lines
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.schedule import cosine_with_warmup

@@ -21,7 +21,7 @@ import torch
 
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.io import atomic_dir, sha256_files
-from spectrain.heads.verifier import SMOLLM2_GGUF as GGUF_NAME, smollm2_gguf as gguf_path  # noqa: F401
+from spectrain.heads.verifier import smollm2_gguf as gguf_path
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 VERSION = 1

@@ -6,7 +6,25 @@ from pathlib import Path
 
 from spectrain.heads.errors import SpectrainError
 
-from .bundled import VAL_FRACTION, split_index
+VAL_FRACTION = 0.1  # the held-out share of a text file's lines (the bundled text's too)
+
+
+def split_text(text: str, val_fraction: float = VAL_FRACTION) -> tuple[str, str]:
+    """Contiguous split: the last ``val_fraction`` of the lines is held out.
+
+    Splitting on a line boundary keeps the two halves identical whether the text
+    is read whole (here) or line by line (``datasets`` in the data module).
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise SpectrainError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    lines = text.splitlines(keepends=True)
+    cut = split_index(len(lines), val_fraction)
+    return "".join(lines[:cut]), "".join(lines[cut:])
+
+
+def split_index(num_lines: int, val_fraction: float = VAL_FRACTION) -> int:
+    """Index of the first held-out line."""
+    return num_lines - max(1, int(round(num_lines * val_fraction)))
 
 
 def check_text_file(path: str | Path) -> Path:
@@ -40,7 +58,7 @@ def text_blocks(path: str | Path, tokenizer, block_size: int, val_fraction: floa
     """Train and validation ``datasets.Dataset`` of ``input_ids`` blocks of ``block_size`` tokens.
 
     The split is contiguous: the last ``val_fraction`` of the lines is held out
-    (the same split :func:`spectrain.data.bundled.split_text` gives).
+    (the same split :func:`split_text` gives).
     """
     import datasets
 

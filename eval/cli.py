@@ -21,10 +21,12 @@ from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, resolve_dtype
 
 from .decode_dtype import cpu_record, decode_dtype
-from .evaluate import Settings, evaluate_drafter, load_drafter, methods
-from .families import families_with, learned_methods
+from .evaluate import EvalSettings, evaluate_drafter, load_drafter, methods
+from .families import families_with
+from .methods import EvalMethod, all_methods, method_named
 from .plots import write_plots
 from .prompts import BUNDLED, load_prompts
+from .settings import TreeKind, parse_dynamic_tree
 
 
 def families_that(wants) -> str:
@@ -70,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"from measured per-head rank accuracies ({families_that(lambda e: e.rank_trees)})")
     p.add_argument("--dynamic_tree", default=None, metavar="DEPTH,TOPK,BUDGET",
                    help="also evaluate a dynamic tree: the drafter's own top-k expansion "
-                        f"({families_that(lambda e: e.dynamic_trees)}, hybrid, draft-model, truncated)")
+                        f"({', '.join(m.name for m in all_methods() if TreeKind.DYNAMIC in m.tree_kinds)})")
     p.add_argument("--prompts", default=BUNDLED, help="MT-bench/Alpaca turns jsonl, json, text file, or bundled")
     p.add_argument("--num_prompts", type=int, default=20)
     p.add_argument("--first_turns", action="store_true", help="ask each prompt's first turn only")
@@ -113,17 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def dynamic_tree(spec: str | None) -> tuple[int, int, int] | None:
-    """``"DEPTH,TOPK,BUDGET"`` -> a tuple (None stays None)."""
-    if not spec:
-        return None
-    try:
-        depth, topk, budget = (int(x) for x in spec.split(","))
-    except ValueError:
-        raise SpectrainError(f"--dynamic_tree takes DEPTH,TOPK,BUDGET, got {spec!r}") from None
-    if min(depth, topk, budget) < 1:
-        raise SpectrainError(f"--dynamic_tree values must be >= 1, got {spec!r}")
-    return depth, topk, budget
+dynamic_tree = parse_dynamic_tree  # ``"DEPTH,TOPK,BUDGET"`` -> a tuple (None stays None); benchmarks parse with it
 
 
 def named_values(specs: list[str], flag: str) -> dict[str, str]:
@@ -139,21 +131,31 @@ def named_values(specs: list[str], flag: str) -> dict[str, str]:
     return out
 
 
-def draft_options(args) -> dict:
-    """The flags that say how to draft and decode, as :func:`evaluate_drafter` keywords."""
-    return dict(method=args.method, k=args.k, tree=args.tree, dynamic_tree=dynamic_tree(args.dynamic_tree),
-                draft_layers=args.draft_layers, min_match=args.min_match, min_match_sampled=args.min_match_sampled,
-                lookup=args.lookup, min_confidence=args.min_confidence,
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                compile=args.compile, seed=args.seed)
+def settings_from_args(args) -> EvalSettings:
+    """Every flag that says how to draft, decode and measure, as the one :class:`EvalSettings` (checked as it is
+    made, before anything loads). ``--chat_template auto``: on where the tokenizer has one, off for bundled text."""
+    return EvalSettings(
+        k=args.k, tree=args.tree, dynamic_tree=args.dynamic_tree, lookup=args.lookup,
+        min_confidence=args.min_confidence, draft_layers=args.draft_layers, min_match=args.min_match,
+        min_match_sampled=args.min_match_sampled, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k,
+        chat_template={"on": True, "off": False}.get(args.chat_template, False if args.prompts == BUNDLED else None),
+        compile=args.compile, hf_generate=args.hf_generate, seed=args.seed,
+        batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant], draft_vocab=args.draft_vocab,
+        decoder=args.decoder)
+
+
+def checked(args) -> tuple[EvalMethod, EvalSettings]:
+    """``--method`` and the settings the flags name, checked against each other before anything loads."""
+    method, settings = method_named(args.method), settings_from_args(args)
+    method.check(settings)
+    return method, settings
 
 
 def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     """Load what the flags name, evaluate, write ``eval.json`` and the plots; returns the JSON's path."""
-    options = draft_options(args)
-    settings = Settings(**options)
-    settings.check()  # before anything is loaded
-    if args.drafter_format and args.method not in learned_methods() + ("hybrid",):
+    method, settings = checked(args)  # before anything is loaded
+    if args.drafter_format and not method.needs_drafter:
         raise SpectrainError(f"--drafter_format names the format of a learned --drafter: --method {args.method} "
                              "loads none")
     if args.drafter_format and not args.drafter:
@@ -167,17 +169,12 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     verifier = load_verifier(args.verifier, dtype=dtype, **load)
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, args.prompt_tokens,
                            first_turns=args.first_turns, spread=args.spread)
-    has_template = bool(getattr(verifier.tokenizer, "chat_template", None))
-    chat_template = {"on": True, "off": False}.get(args.chat_template, has_template and args.prompts != BUNDLED)
-    drafter = None
-    if args.method in learned_methods() + ("hybrid",):
+    drafter = draft_model = None
+    if method.needs_drafter:
         drafter = load_drafter(args.drafter, verifier, args.method, args.allow_verifier_mismatch, args.drafter_format)
-    draft_model = None
-    if args.method == "draft-model":
+    if method.needs_draft_model:
         draft_model = load_draft_model(args.draft_model, verifier, args.device)
-    result = evaluate_drafter(verifier, prompts, drafter=drafter, draft_model=draft_model, chat_template=chat_template,
-                              hf_generate=args.hf_generate, draft_vocab=args.draft_vocab, decoder=args.decoder,
-                              batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant], **options)
+    result = evaluate_drafter(verifier, prompts, method, settings, drafter=drafter, draft_model=draft_model)
     out_dir = Path(args.out or f"runs/eval/{args.method}-{Path(args.verifier.replace(':', '-')).name}")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"command": command or "spectrain-eval", "verifier": args.verifier, "drafter": args.drafter,

@@ -37,7 +37,7 @@ def our_tau(verifier, method: str, drafter_dir: Path, prompts: list[list[str]], 
 
     Returns ``tau``, ``alpha``, ``identical_to_ar``, ``rounds`` and ``accepted`` (counted as an engine counts them),
     ``prompt_ids`` (what to hand the engine) and ``ar_tokens`` (our greedy output per prompt)."""
-    from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
     from spectrain.eval.families import evaluator_of
 
     family = family_for_method(method)
@@ -49,8 +49,8 @@ def our_tau(verifier, method: str, drafter_dir: Path, prompts: list[list[str]], 
     cached = out / "eval.json"
     summary = json.loads(cached.read_text()) if cached.is_file() else None
     if not (summary and all(summary.get(key_) == v for key_, v in key.items())):  # else: resume, reuse this row
-        result = evaluate_drafter(verifier, prompts, method=kind, drafter=drafter, k=k,
-                                  hf_generate=0, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab)
+        settings = EvalSettings(k=k, hf_generate=0, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab)
+        result = evaluate_drafter(verifier, prompts, drafter, settings)
         summary = {**key, **result.to_dict()}
         write_json(cached, summary)
     chain = summary["results"][f"chain-{k}"]

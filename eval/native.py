@@ -16,7 +16,7 @@ three pieces of ours in the places the layers leave open:
   ``spectrain`` and, batch-invariant, ``spectrain-rows16``): the layer hands it its own scaling, its sliding window
   (the argument every family passes for flash attention), Gemma 2's logit soft-capping and GPT-OSS's sinks; it turns
   distances into the layer's mask (``distance < window``, HF's ``q - k < W``) and runs
-  :func:`~spectrain.eval.static_model.grouped_attention` (or the explicit math a soft-cap or sinks need).
+  :func:`~spectrain.eval.attention.grouped_attention` (or the explicit math a soft-cap or sinks need).
 
 The model's attention implementation is switched to ours only while our forward runs (:meth:`LayerPath.active`), so
 the same model object still runs HF's ``generate()`` and training as loaded.
@@ -29,6 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
+from spectrain.eval.attention import grouped_attention
 from spectrain.heads.errors import SpectrainError
 
 FAR = 1 << 30  # the distance of a slot a query may not attend: past every window
@@ -75,8 +76,6 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     Returns:
         ((1, n, heads, d), None), the layout transformers' functions return.
     """
-    from spectrain.eval.static_model import grouped_attention
-
     if dropout:
         raise SpectrainError("decoding runs attention without dropout")
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in PASSED_THROUGH)

@@ -4,18 +4,15 @@ did (:func:`plan_speedups`)."""
 from __future__ import annotations
 
 from .costs import draft_cost, plan, verify_cost
-from .families import BoundDrafter
-from .methods import build_drafter
-from .setup import Settings
-from .static_model import StaticCausalLM
+from .methods import DraftInputs, EvalMethod
+from .settings import DraftShape, EvalSettings, TreeKind
 from .tree import Tree, build_tree, expected_accept_length
 
 PLANNER_TREES = (4, 8, 16, 32, 64)  # the tree sizes the planner prices (rank-tree families)
 
 
-def plan_speedups(s: Settings, results: dict, trees: dict, runner: StaticCausalLM, bound: BoundDrafter | None,
-                  draft_model, calibration, state, t_decode: float, t_verify: dict, t_draft: dict,
-                  context: int) -> dict | None:
+def plan_speedups(s: EvalSettings, method: EvalMethod, results: dict, shapes: list[DraftShape], inputs: DraftInputs,
+                  calibration, state, t_decode: float, t_verify: dict, t_draft: dict, context: int) -> dict | None:
     """Expected speedup of every chain length up to the measured depth (and, for a rank-tree family, of trees of
     every size from the measured rank accuracies), from measured α and per-round costs.
 
@@ -25,19 +22,20 @@ def plan_speedups(s: Settings, results: dict, trees: dict, runner: StaticCausalL
     (sequential drafters grow with n, one-pass ones do not), the rest of a round as the chain's; a rank tree's
     verify pass is its isolated cost scaled by the chain's in-loop / isolated ratio. Speedups are over AR's
     measured ms per token. Without a chain, the isolated costs alone."""
-    chain = next((results[n] for n in trees if n.startswith("chain")), None)
+    chain = next((results[shape.name] for shape in shapes if shape.kind is TreeKind.CHAIN), None)
+    runner = inputs.runner
     planner = None
     in_loop = (chain is not None and s.k in t_verify and chain.get("round_ms") is not None
                and results["ar"].get("round_ms") is not None)
     if chain is not None:
-        # A hybrid's α reaches its lookup rounds' depth; the chains priced are the learned drafter's (up to k).
-        depth = min(len(chain["alpha"]), s.k) if s.method == "hybrid" else len(chain["alpha"])
+        # A lookup method's α reaches its lookup rounds' depth; the chains priced are the learned drafter's (up to k).
+        depth = min(len(chain["alpha"]), s.k) if method.lookup else len(chain["alpha"])
         for n in range(1, depth + 1):
             if n not in t_verify:
                 t_verify[n] = verify_cost(runner, Tree.chain(n), context)
                 # Heads that draft every depth in one pass (rank-tree families) cost the same for any chain.
                 t_draft[n] = (t_draft.get(depth, 0.0) if calibration is not None else
-                              draft_cost(build_drafter(s, Tree.chain(n), runner, bound, draft_model), state))
+                              draft_cost(method.drafter(s, DraftShape.chain(n), inputs), state))
         priced_verify, priced_draft = dict(t_verify), dict(t_draft)
         if in_loop:
             loop, ar = {p: v / 1000 for p, v in chain["round_ms"].items()}, results["ar"]["round_ms"]["verify"] / 1000

@@ -78,7 +78,8 @@ def _turns(row, path: Path, i: int) -> list[str]:
 
 
 def _bundled(limit: int, tokenizer, prompt_tokens: int) -> list[list[str]]:
-    from spectrain.data.bundled import bundled_text_path, split_text
+    from spectrain.data.bundled import bundled_text_path
+    from spectrain.data.text import split_text
 
     if tokenizer is None:
         raise SpectrainError("bundled prompts need the verifier's tokenizer")

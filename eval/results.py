@@ -30,13 +30,15 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.io import read_json, sha256_files, write_json
-from spectrain.heads.families import OUR_FORMAT, families, family_of
+from spectrain.heads.families import OUR_FORMAT, family_of
 from spectrain.heads.formats import detect_format
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
@@ -44,7 +46,7 @@ from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
 from . import metrics
 from .cli import named_values
 from .drafters import check_min_match
-from .evaluate import EvalResult, encode_turn, evaluate_drafter, load_drafter, summarize
+from .evaluate import EvalResult, EvalSettings, encode_turn, evaluate_drafter, load_drafter, summarize
 from .families import evaluator_of, families_with
 from .prompts import prompt_rows
 from .static_model import default_batch_invariant
@@ -232,8 +234,25 @@ def plan_rows(args, drafters: dict[str, str], sets: dict[str, list[dict]]) -> li
     return rows
 
 
+class RowCall(NamedTuple):
+    """One :func:`~.evaluate.evaluate_drafter` call: the method's name, its learned drafter (or None) and the
+    settings."""
+
+    method: str
+    drafter: Any
+    settings: EvalSettings
+
+
+def settings_from_args(args, max_len: int) -> EvalSettings:
+    """What every row and greedy reference decodes with, from the flags (the one place): the chat template, one
+    KV-cache size for every row, no cost probes, no HF timing; each row varies it (:func:`row_options`)."""
+    return EvalSettings(k=args.k, max_new_tokens=args.max_new_tokens, seed=args.seed, min_match=args.min_match,
+                        min_match_sampled=args.min_match_sampled, chat_template=True, hf_generate=0, costs=False,
+                        max_len=max_len)
+
+
 class Context:
-    """The verifier, the prompt sets and the loaded drafters (loaded once, on demand)."""
+    """The verifier, the prompt sets, the settings and the loaded drafters (loaded once, on demand)."""
 
     def __init__(self, args, sets: dict[str, list[dict]], formats: dict[str, str] | None = None):
         self.args = args
@@ -250,6 +269,7 @@ class Context:
         if self.max_len > context:
             raise SpectrainError(f"the longest prompt ({longest} tokens) + --max_new_tokens {args.max_new_tokens} "
                                  f"exceeds the verifier's context of {context}")
+        self.settings = settings_from_args(args, self.max_len)
         self._drafters: dict[str, object] = {}
 
     def drafter(self, name: str, path: str):
@@ -258,23 +278,24 @@ class Context:
             self._drafters[name] = load_drafter(path, self.verifier, fmt=self.formats.get(name))
         return self._drafters[name]
 
-    def evaluate(self, set_name: str, reference: list[dict] | None = None, **options) -> EvalResult:
-        """One setting on one prompt set through :func:`.evaluate.evaluate_drafter` (no costs, no HF timing)."""
-        return evaluate_drafter(self.verifier, self.prompts[set_name], chat_template=True, hf_generate=0, costs=False,
-                                reference=reference, max_len=self.max_len, max_new_tokens=self.args.max_new_tokens,
-                                seed=self.args.seed, **options)
+    def evaluate(self, set_name: str, call: RowCall, reference: list[dict] | None = None) -> EvalResult:
+        """One setting on one prompt set through :func:`.evaluate.evaluate_drafter`."""
+        return evaluate_drafter(self.verifier, self.prompts[set_name], call.method, call.settings,
+                                drafter=call.drafter, reference=reference)
 
     def sample_outputs(self, records: list[dict]) -> list[str]:
         """The first two outputs as text, for reading the table against what was generated."""
         return [self.tokenizer.decode(t["tokens"], skip_special_tokens=True) for r in records[:2] for t in r["turns"]]
 
 
-def row_options(ctx: Context, row: dict, path: str) -> tuple[dict, dict]:
-    """The row's :func:`evaluate_drafter` keywords and what defines its drafter (for the table and the JSON)."""
+def row_options(ctx: Context, row: dict, path: str) -> tuple[RowCall, dict]:
+    """The row's :func:`evaluate_drafter` call (the context's settings, varied for the row) and what defines its
+    drafter (for the table and the JSON)."""
     args = ctx.args
     name, chain = row["drafter"], row["setting"].startswith("chain")
+    base = replace(ctx.settings, temperature=row["temperature"])
     if name == "ngram":
-        return {"method": "ngram", "k": args.k}, {"tree": "chain", "nodes": args.k}
+        return RowCall("ngram", None, replace(base, k=args.k)), {"tree": "chain", "nodes": args.k}
     hybrid = name.startswith("hybrid-")
     learned = ctx.drafter(name[len("hybrid-"):] if hybrid else name, path)
     family = family_of(learned)  # a drafter of no registered family is refused, never labelled another's
@@ -286,28 +307,25 @@ def row_options(ctx: Context, row: dict, path: str) -> tuple[dict, dict]:
     if not chain and not (evaluator.dynamic_trees or evaluator.rank_trees):
         raise SpectrainError(f"drafter {name}: {family.label} drafters grow neither dynamic trees nor trees from "
                              "rank accuracies, so they have no tree rows: pass --tree_nodes 0")
-    method = "hybrid" if hybrid else family.name
-    options = {"method": method, "drafter": learned, "temperature": row["temperature"]}
     if chain:
-        options["k"] = args.k
+        settings = replace(base, k=args.k)
         definition = {"tree": "chain", "nodes": args.k}
     else:
         reserve = args.k if hybrid else 0  # the lookup branch's nodes, within the same budget
-        options.update(k=0, lookup=reserve)
         if evaluator.dynamic_trees:  # a dynamic tree with the node budget
-            options["dynamic_tree"] = (args.tree_depth, args.tree_topk, args.tree_nodes)
+            settings = replace(base, k=0, lookup=reserve,
+                               dynamic_tree=(args.tree_depth, args.tree_topk, args.tree_nodes))
             definition = {"tree": evaluator.dynamic_tree_name, "nodes": args.tree_nodes, "depth": args.tree_depth,
                           "topk": args.tree_topk}
         else:  # rank trees: the most likely rank paths from the heads' rank accuracies on this set
-            options["tree"] = f"auto:{args.tree_nodes - reserve}"
+            settings = replace(base, k=0, lookup=reserve, tree=f"auto:{args.tree_nodes - reserve}")
             definition = {"tree": "static, from rank accuracies on the verifier's greedy outputs of this set",
                           "nodes": args.tree_nodes}
     if hybrid:
         definition = {**definition, "min_match": args.min_match, "min_match_sampled": args.min_match_sampled,
                       "tree": ("chain: prompt lookup when it matches, else " if chain else
                                "the learned tree + the lookup branch; learned: ") + definition["tree"]}
-        options.update(min_match=args.min_match, min_match_sampled=args.min_match_sampled)
-    return options, definition
+    return RowCall("hybrid" if hybrid else family.name, learned, settings), definition
 
 
 def per_category(records: list[dict], prompts: list[dict]) -> dict[str, float]:
@@ -318,9 +336,9 @@ def per_category(records: list[dict], prompts: list[dict]) -> dict[str, float]:
 
 
 def measure_row(ctx: Context, row: dict, path: str, reference: list[dict], prompts: list[dict]) -> dict:
-    options, definition = row_options(ctx, row, path)
+    call, definition = row_options(ctx, row, path)
     t0 = time.time()
-    result = ctx.evaluate(row["set"], reference, **options)
+    result = ctx.evaluate(row["set"], call, reference)
     setting = next(name for name in result.results if name != "ar")
     summary, records = result.results[setting], result.per_prompt[setting]
     depth = len(summary["alpha"])
@@ -439,7 +457,7 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
             ref = cached(path, "greedy")
             if ref is None:
                 start = time.time()
-                records = ctx.evaluate(name, method="none").per_prompt["ar"]
+                records = ctx.evaluate(name, RowCall("none", None, ctx.settings)).per_prompt["ar"]
                 s = summarize(records, 0)
                 ref = {"fingerprint": "greedy", "set": name, "tokens_per_second": s["tokens_per_second"],
                        "new_tokens": s["new_tokens"], "seconds": round(time.time() - start, 1), "records": records,

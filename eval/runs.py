@@ -15,7 +15,7 @@ from spectrain.heads.errors import SpectrainError
 from . import metrics
 from .decode import Trace, generate
 from .drafters import Autoregressive, Drafter
-from .setup import Settings
+from .settings import EvalSettings
 from .static_model import StaticCausalLM
 
 
@@ -30,7 +30,7 @@ def eos_ids(tokenizer) -> set[int]:
 
 
 def run_prompts(runner: StaticCausalLM, drafter: Drafter, prompts: list[list[str]], tokenizer, use_template: bool,
-                s: Settings) -> list[dict]:
+                s: EvalSettings) -> list[dict]:
     """Generate every turn of every prompt (later turns see the earlier answers, as MT-bench does)."""
     generator = torch.Generator(device=runner.device).manual_seed(s.seed)
     eos = eos_ids(tokenizer)
@@ -118,7 +118,7 @@ def ulp(magnitude: float, dtype: torch.dtype) -> float:
 
 @torch.no_grad()
 def divergences(runner: StaticCausalLM, spec: Drafter, ar_records: list[dict], spec_records: list[dict],
-                s: Settings, eos: set[int]) -> dict:
+                s: EvalSettings, eos: set[int]) -> dict:
     """Every T = 0 turn whose output parts from AR's, measured where it parts, with each path's own logits.
 
     Both paths are decoded again up to the first differing token t with a :class:`~.decode.Trace` (the same
@@ -182,7 +182,7 @@ def divergences(runner: StaticCausalLM, spec: Drafter, ar_records: list[dict], s
         "cases": cases}
 
 
-def hf_generate_speed(model, tokenizer, prompts: list[list[str]], use_template: bool, s: Settings,
+def hf_generate_speed(model, tokenizer, prompts: list[list[str]], use_template: bool, s: EvalSettings,
                       n: int) -> dict | None:
     """HF ``generate()`` tokens/s on the first n prompts (greedy or sampled as configured, warm-up excluded)."""
     if n <= 0:

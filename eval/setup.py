@@ -1,6 +1,6 @@
-"""An evaluation's set-up: the methods and their :class:`Settings` (checked), what it returns
-(:class:`EvalResult`), the learned drafter loaded (:func:`load_drafter`) and resolved once to its family and
-evaluator (:func:`bind_learned`), and its draft vocabulary (:func:`resolve_draft_vocab`)."""
+"""An evaluation's set-up: what it returns (:class:`EvalResult`), the learned drafter loaded
+(:func:`load_drafter`) and its draft vocabulary (:func:`resolve_draft_vocab`). The settings live in
+:mod:`.settings`; the methods, and how a learned drafter is bound to one, in :mod:`.methods`."""
 
 from __future__ import annotations
 
@@ -15,69 +15,8 @@ from spectrain.heads.formats import import_drafter, recorded_verifier
 from spectrain.heads.verifier import Verifier, match_verifier
 from spectrain.heads.vocab import load_ranking
 
-from .accept import Sampling
-from .drafters import check_min_match
-from .families import BoundDrafter, bind, check_min_confidence_value, learned_methods
-
-
-OTHER_METHODS = ("ngram", "hybrid", "draft-model", "truncated", "none")  # besides one per drafter family
-
-
-def methods() -> tuple[str, ...]:
-    """Every ``method``: each registered drafter family's (its name), then the others."""
-    return learned_methods() + OTHER_METHODS
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How to draft and decode (:func:`evaluate_drafter`'s keyword arguments, checked)."""
-
-    method: str
-    k: int = 4
-    tree: str | None = None
-    dynamic_tree: tuple[int, int, int] | None = None
-    lookup: int = 0
-    min_confidence: float = 0.0
-    draft_layers: int = 1
-    min_match: int = 2
-    min_match_sampled: int = 4
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    compile: bool = False
-    seed: int = 0
-
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k)
-
-    @property
-    def auto_nodes(self) -> int | None:
-        """N of ``tree="auto:N"`` (the best N-node tree from measured rank accuracies); None for other trees."""
-        return int(self.tree[5:]) if self.tree and self.tree.startswith("auto:") else None
-
-    def check(self) -> None:
-        if self.method not in methods():
-            raise SpectrainError(f"method must be one of {', '.join(methods())}, got {self.method!r}")
-        if self.k < 0:
-            raise SpectrainError(f"k must be >= 0, got {self.k}")
-        if self.max_new_tokens < 1:
-            raise SpectrainError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.method == "hybrid":
-            check_min_match(self.min_match, self.min_match_sampled)
-        if not isinstance(self.lookup, int) or self.lookup < 0:
-            raise SpectrainError(f"--lookup must be an integer >= 0 (0: k), got {self.lookup!r}")
-        if self.lookup and self.method != "hybrid":
-            raise SpectrainError(f"--lookup is the hybrid's lookup length; --method {self.method} has no lookup")
-        check_min_confidence_value(self.min_confidence)
-        if self.min_confidence and self.method not in learned_methods() + ("hybrid",):
-            raise SpectrainError(f"--min_confidence cuts a learned drafter's chain; --method {self.method} has none")
-        if self.min_confidence and (not self.k or self.tree or self.dynamic_tree):
-            raise SpectrainError("--min_confidence cuts chains: give --k > 0 and no --tree / --dynamic_tree (evaluate "
-                                 "trees in a run of their own)")
-        if self.tree and self.tree.startswith("auto:") and not (self.tree[5:].isdigit() and int(self.tree[5:]) > 0):
-            raise SpectrainError(f"--tree auto:N takes a node count N >= 1, got {self.tree!r}")
+from .families import BoundDrafter, bind
+from .methods import all_methods, method_named
 
 
 @dataclass
@@ -133,7 +72,8 @@ def load_drafter(path: str, verifier: Verifier, method: str | None = None, allow
         warnings.warn(note, stacklevel=2)
     drafter.verifier_note = note
     family = family_of(drafter)
-    if method in learned_methods() and method != family.name:
+    expected = method_named(method).family if method is not None else None
+    if expected is not None and expected != family.name:
         raise SpectrainError(f"{path} holds a drafter of the {family.label} family: use --method {family.name}")
     param = next(verifier.model.parameters())
     drafter.ranking = load_ranking(path)  # its training data's token counts (ranked draft heads), or None
@@ -153,7 +93,8 @@ def resolve_draft_vocab(learned, draft_vocab: int | None, vocab_size: int) -> tu
 def refuse_draft_vocab(draft_vocab: int | None) -> None:
     """``--draft_vocab`` without a learned drafter to draft over it: refused."""
     if draft_vocab:
-        raise SpectrainError(f"--draft_vocab applies to a learned drafter ({', '.join(learned_methods() + ('hybrid',))})")
+        takers = ", ".join(m.name for m in all_methods() if m.needs_drafter)
+        raise SpectrainError(f"--draft_vocab applies to a learned drafter ({takers})")
 
 
 def draft_vocab_of(bound: BoundDrafter, draft_vocab: int | None, vocab_size: int) -> tuple[torch.Tensor | None, int]:
@@ -183,19 +124,10 @@ def draft_vocab_of(bound: BoundDrafter, draft_vocab: int | None, vocab_size: int
     return ids, vocab_size if ids is None else ids.numel()
 
 
-def bind_learned(method: str, drafter) -> BoundDrafter | None:
-    """The learned drafter of ``method`` (a family's, or the hybrid's) resolved once to its family and evaluator;
-    None for methods without one. A drafter of another family than ``method`` names is refused."""
-    if drafter is None or method not in learned_methods() + ("hybrid",):
-        return None
-    bound = bind(drafter)  # an unregistered drafter: refused here
-    if method != "hybrid" and bound.family.name != method:
-        raise SpectrainError(f"method {method} got a {type(drafter).__name__}: use method {bound.family.name}")
-    return bound
-
-
 def learned_kind(method: str, learned) -> str:
-    """The learned drafter's kind behind ``method`` (hybrid: the family of the drafter it was given)."""
-    if method != "hybrid":
-        return method
+    """The learned drafter's kind behind ``method``: a family's method's family, the family of the drafter a
+    method that drafts beside one was given (hybrid), else the method itself."""
+    found = method_named(method)
+    if found.family is not None or not found.needs_drafter:
+        return found.name
     return family_of(learned).name

@@ -36,11 +36,10 @@ from .compatibility import check_compatible
 from .errors import SpectrainError
 from .families import DrafterFamily, register_family
 from .io import checked_state, read_drafter_config, save_drafter_dir
-from .layers import (Attention, RMSNorm, SwiGLU, apply_rotary, causal_mask,  # noqa: F401  (re-exported)
-                     rotary_cos_sin)
+from .layers import Attention, RMSNorm, SwiGLU, causal_mask, rotary_cos_sin
 from .layers import spread_layers as default_aux_layers  # EAGLE-3's fused layers: the spread rule
 from .verifier import drafter_shape, max_context, verifier_rope
-from .vocab import build_vocab_map, check_vocab_map, most_frequent  # noqa: F401  (re-exported)
+from .vocab import build_vocab_map, check_vocab_map
 
 FORMAT_VERSION = 1
 VARIANTS = ("eagle1", "eagle3")

@@ -29,8 +29,9 @@ from .formats import (FORMATS, check_format_for, expected_tensors, export_drafte
 from .io import read_json
 from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, convert_verifier, gguf_export_of, gguf_exports,
                         gguf_tensors, listed, tokenizer_metadata, write_draft_gguf, write_verifier_gguf)
+from .precision import resolve_dtype
 from .report import finish, format_table
-from .verifier import load_verifier, load_verifier_signature, resolve_dtype, smollm2_gguf, verifier_identity
+from .verifier import load_verifier, load_verifier_signature, smollm2_gguf, verifier_identity
 from .vocab import load_ranking
 
 

@@ -22,7 +22,7 @@ defined outside the package (a test, a plugin) may pass the objects themselves.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import SpectrainError
@@ -102,7 +102,7 @@ class DrafterFamily:
     """What the rest of spectrain needs to know about one drafter family.
 
     Attributes:
-        name: the family, as ``spectrain-eval --method`` / ``evaluate_drafter(method=...)`` and the results table
+        name: the family, as ``spectrain-eval --method`` / ``evaluate_drafter``'s method and the results table
             name it.
         methods: the methods its drafters record (``config.method``, ``config.json``'s ``"method"``, a training
             run's ``method_name``); one family may train several variants. Unique over all families.
@@ -117,8 +117,6 @@ class DrafterFamily:
         train_module: its training ``LightningModule`` (a ``DrafterModule`` subclass), by dotted path.
         evaluator: its :class:`spectrain.eval.families.FamilyEvaluator` (how the evaluator drafts with it), by
             dotted path.
-        fsdp_units: the module classes FSDP wraps as drafter units (each one whole unit, never split; default
-            ``(drafter_class,)``).
         verifier_depth_key: the key of our run-dir ``config.json`` that records the verifier's depth (what
             ``recorded_verifier`` reads), or None (the default) when the drafter does not record it.
         gguf: its :class:`GgufExport` (``spectrain-export --format gguf``), or None.
@@ -137,7 +135,6 @@ class DrafterFamily:
     formats: Ref = ()
     train_module: Ref = None
     evaluator: Ref = None
-    fsdp_units: tuple[type, ...] = field(default=())
     verifier_depth_key: str | None = None
     gguf: Ref = None
     without_confidence_head: Ref = None
@@ -147,7 +144,6 @@ class DrafterFamily:
         object.__setattr__(self, "methods", tuple(self.methods))
         object.__setattr__(self, "label", self.label or self.name)
         object.__setattr__(self, "method_labels", tuple(self.method_labels) or (self.label,) * len(self.methods))
-        object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units) or (self.drafter_class,))
         if not self.name or not self.methods:
             raise SpectrainError(f"a drafter family needs a name and at least one method, got {self.name!r} "
                                  f"{self.methods!r}")
@@ -174,8 +170,8 @@ _FAMILIES: dict[str, DrafterFamily] = {}
 # The bundled families, imported (each registers itself) before any entry point's, in this order: the CLIs list them so.
 BUNDLED_FAMILIES = ("spectrain.heads.medusa", "spectrain.heads.eagle", "spectrain.heads.dflash")
 ENTRY_POINT_GROUP = "spectrain.families"  # an installed package's families (pyproject [project.entry-points])
-# The evaluator's methods that are no learned drafter (AR, prompt lookup, ...): no family may take these names, or
-# `spectrain-eval --method` would mean two things.
+# The evaluator's methods that are no learned drafter (AR, prompt lookup, ...; registered in eval/training_free.py):
+# no family may take these names, or `spectrain-eval --method` would mean two things.
 RESERVED_METHODS = ("ar", "ngram", "hybrid", "draft-model", "truncated", "none")
 OUR_FORMAT = "spectrain"  # our own run-dir format's name (detect_format); no serving format may take it
 GGUF_FORMAT = "gguf"  # spectrain-export's llama.cpp file (a family's GgufExport writes it); no serving format either

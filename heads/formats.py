@@ -31,7 +31,7 @@ from .errors import SpectrainError
 from .families import OUR_FORMAT, family_for_method, resolve, serving_format, serving_formats
 from .families import method_of as family_method
 from .io import atomic_dir, load_tensors, read_json, save_tensors, write_json
-from .token_map import TOKEN_MAP_FILE, check_token_map, write_token_map  # noqa: F401  (re-exported)
+from .token_map import TOKEN_MAP_FILE, check_token_map
 from .verifier import SIGNATURE_FIELDS, load_verifier_signature, save_verifier_signature
 from .vocab import Ranking, save_ranking
 

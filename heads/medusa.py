@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compatibility import check_compatible  # noqa: F401  (re-exported: its old home)
+from .compatibility import check_compatible
 from .errors import SpectrainError
 from .families import DrafterFamily, register_family
 from .io import checked_state, read_drafter_config, save_drafter_dir

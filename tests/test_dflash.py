@@ -268,7 +268,7 @@ def test_a_confidence_cut_samples_the_verifier_distribution(soft, kw, shape):
 
 def test_min_confidence_refusals(bigram, tiny_tokenizer, monkeypatch):
     from spectrain.eval import evaluate as evaluate_module
-    from spectrain.eval.evaluate import Settings, evaluate_drafter
+    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, method_named
     from spectrain.eval.families import learned_drafter
     from spectrain.eval.tree import Tree
     from spectrain.heads.verifier import Verifier
@@ -283,20 +283,20 @@ def test_min_confidence_refusals(bigram, tiny_tokenizer, monkeypatch):
         learned_drafter(oracle_eagle1(model, 0.0), model, Tree.chain(3), min_confidence=0.5)
     for bad in (1.0, -0.1, "0.5", True):
         with pytest.raises(SpectrainError, match="probability"):
-            Settings(method="dflash", k=3, min_confidence=bad).check()
+            EvalSettings(k=3, min_confidence=bad)
         with pytest.raises(SpectrainError, match="probability"):
             DFlashChainDrafter(drafter_for(model, confidence_head=True), model, 3, min_confidence=bad)
     for settings in (dict(k=0), dict(k=3, dynamic_tree=(3, 2, 4))):  # chains only
         with pytest.raises(SpectrainError, match="cuts chains"):
-            Settings(method="dflash", min_confidence=0.5, **settings).check()
+            EvalSettings(min_confidence=0.5, **settings)
     for method in ("ngram", "none", "truncated"):
         with pytest.raises(SpectrainError, match=f"--method {method} has none"):
-            Settings(method=method, k=3, min_confidence=0.5).check()
+            method_named(method).check(EvalSettings(k=3, min_confidence=0.5))
     # A drafter without a head is refused before anything is decoded (AR included).
     monkeypatch.setattr(evaluate_module, "run_prompts", lambda *a, **k: pytest.fail("decoded before refusing"))
     with pytest.raises(SpectrainError, match="has none"):
-        evaluate_drafter(Verifier(model, tiny_tokenizer, "bigram"), [["a b"]], method="dflash",
-                         drafter=drafter_for(model), k=3, min_confidence=0.5, chat_template=False)
+        evaluate_drafter(Verifier(model, tiny_tokenizer, "bigram"), [["a b"]], drafter_for(model),
+                         EvalSettings(k=3, min_confidence=0.5, chat_template=False))
 
 
 def test_p_scattered_into_the_wrong_columns_is_detected(soft, monkeypatch):
@@ -339,7 +339,9 @@ def test_every_loss_trains(loss, kw, verifier_factory):
 
 
 def test_a_trained_run_measures_tau_evaluates_and_reloads(verifier_factory, tmp_path):
-    from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+    from dataclasses import replace
+
+    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
     from spectrain.eval.families import learned_drafter
     from spectrain.eval.tree import Tree
     from spectrain.heads.verifier import load_verifier
@@ -376,19 +378,17 @@ def test_a_trained_run_measures_tau_evaluates_and_reloads(verifier_factory, tmp_
     assert module.val_metrics(sums) == {"slot1_top1_ver": 0.75, "slot2_top1_ver": 0.75, "slot3_top1_ver": 0.75,
                                         "tau_pred": 2.5}
     prompts = [["the king sat on the mat"], ["where is the river"]]
-    result = evaluate_drafter(verifier, prompts, method="dflash", drafter=drafter, k=3, max_new_tokens=12,
-                              hf_generate=0, costs=False, chat_template=False)
+    settings = EvalSettings(k=3, max_new_tokens=12, hf_generate=0, costs=False, chat_template=False)
+    result = evaluate_drafter(verifier, prompts, drafter, settings)
     assert result.results["chain-3"]["identical_to_ar"]
     # A hybrid chain whose lookup rounds draft past the block, costs and planner on: the planner prices the
     # drafter's own chains (up to k), the cost probe verifies k + 1 (not the lookup rounds' width).
-    hybrid = evaluate_drafter(verifier, prompts, method="hybrid", drafter=drafter, k=3, lookup=6, max_new_tokens=12,
-                              hf_generate=0, chat_template=False)
+    hybrid = evaluate_drafter(verifier, prompts, "hybrid", replace(settings, lookup=6, costs=True), drafter=drafter)
     assert hybrid.results["chain-3"]["identical_to_ar"] and hybrid.results["chain-3"]["tree_size"] == 6
     assert [row["n"] for row in hybrid.planner["chains"]] == [1, 2, 3]
     assert hybrid.costs["settings"]["chain-3"]["t_verify_ms"] > 0
     with pytest.raises(SpectrainError, match="4 deep but the drafter drafts at most 3 deep"):
-        evaluate_drafter(verifier, prompts, method="dflash", drafter=drafter, k=4, max_new_tokens=4, hf_generate=0,
-                         costs=False, chat_template=False)
+        evaluate_drafter(verifier, prompts, "dflash", replace(settings, k=4, max_new_tokens=4), drafter=drafter)
 
 
 def test_measure_k_beyond_the_block_is_refused(verifier_factory):

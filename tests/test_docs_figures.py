@@ -20,7 +20,6 @@ import datetime
 import itertools
 import json
 import re
-import statistics
 from pathlib import Path
 
 import pytest

@@ -68,30 +68,40 @@ def sys_args(setup, *extra):
 def test_the_api_takes_a_loaded_verifier_and_returns_a_result(setup):
     """evaluate_drafter: a loaded verifier, a drafter and prompts in, an EvalResult out; AR records from an
     earlier call are reused (no second AR decode), with the same tau and lossless outputs."""
-    from spectrain.eval.evaluate import EvalResult, evaluate_drafter, load_drafter
+    from dataclasses import replace
+
+    from spectrain.eval.evaluate import EvalResult, EvalSettings, evaluate_drafter, load_drafter
 
     root, verifier_dir, _ = setup
     verifier = load_verifier(str(verifier_dir))
     heads = load_drafter(str(root / "heads"), verifier, "medusa")
     prompts = [["tell me of the king", "and the queen?"], ["the river ran fast"]]
-    first = evaluate_drafter(verifier, prompts, drafter=heads, k=3, max_new_tokens=10, hf_generate=0,
-                             chat_template=False)
+    settings = EvalSettings(k=3, max_new_tokens=10, hf_generate=0, chat_template=False)
+    first = evaluate_drafter(verifier, prompts, heads, settings)
     assert isinstance(first, EvalResult) and set(first.results) == {"ar", "chain-3"}
     assert [len(r["turns"]) for r in first.per_prompt["ar"]] == [2, 1]
     assert first.results["chain-3"]["identical_turns"] == 3 and first.results["chain-3"]["identical_to_ar"]
-    again = evaluate_drafter(verifier, prompts, drafter=heads, k=3, max_new_tokens=10, hf_generate=0,
-                             chat_template=False, costs=False, reference=first.per_prompt["ar"])
+    again = evaluate_drafter(verifier, prompts, heads, replace(settings, costs=False), reference=first.per_prompt["ar"])
     assert again.per_prompt["ar"] is first.per_prompt["ar"] and again.costs is None and again.planner is None
     assert again.results["chain-3"]["tau"] == first.results["chain-3"]["tau"]
+    assert first.method == again.method == "medusa"
+    named = evaluate_drafter(verifier, prompts, "medusa", settings, drafter=heads, reference=first.per_prompt["ar"])
+    assert named.results["chain-3"]["tau"] == first.results["chain-3"]["tau"]  # by name + drafter: the same call
     with pytest.raises(SpectrainError, match="method medusa needs a drafter"):
-        evaluate_drafter(verifier, prompts, method="medusa")
-    ar = evaluate_drafter(verifier, prompts, method="none", max_new_tokens=10, hf_generate=0, chat_template=False)
+        evaluate_drafter(verifier, prompts, "medusa")
+    with pytest.raises(SpectrainError, match="method ngram takes no learned drafter"):
+        evaluate_drafter(verifier, prompts, "ngram", settings, drafter=heads)
+    with pytest.raises(SpectrainError, match="method draft-model needs a draft_model"):
+        evaluate_drafter(verifier, prompts, "draft-model", settings)
+    with pytest.raises(SpectrainError, match="settings must be an EvalSettings"):
+        evaluate_drafter(verifier, prompts, heads, {"k": 3})
+    ar = evaluate_drafter(verifier, prompts, "none", settings)
     assert set(ar.results) == {"ar"}  # AR alone: no chain setting that decodes AR a second time
     assert ar.per_prompt["ar"][0]["turns"][0]["tokens"] == first.per_prompt["ar"][0]["turns"][0]["tokens"]
     with pytest.raises(SpectrainError, match="other prompts"):
-        evaluate_drafter(verifier, prompts[:1], drafter=heads, reference=first.per_prompt["ar"], hf_generate=0)
+        evaluate_drafter(verifier, prompts[:1], heads, settings, reference=first.per_prompt["ar"])
     with pytest.raises(SpectrainError, match="list of user turns"):
-        evaluate_drafter(verifier, ["a bare string"], method="none")
+        evaluate_drafter(verifier, ["a bare string"], "none")
 
 
 def test_the_recorded_command_is_the_one_typed(setup, capsys):

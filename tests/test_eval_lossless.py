@@ -289,7 +289,7 @@ def test_grouped_attention_folds_groups_into_queries(heads, kv_heads):
     through a tree mask (each query sees a different subset of the keys)."""
     import torch.nn.functional as F
 
-    from spectrain.eval.static_model import grouped_attention
+    from spectrain.eval.attention import grouped_attention
 
     g = torch.Generator().manual_seed(0)
     n, span, d = 5, 12, 8
@@ -307,17 +307,17 @@ def test_grouped_attention_takes_a_strided_attention_output(monkeypatch):
     head dimension); folding the groups back must not assume a contiguous result."""
     import torch.nn.functional as F
 
-    from spectrain.eval import static_model
+    from spectrain.eval import attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 6, 5, 8, generator=g)
     keys, values = torch.randn(2, 1, 2, 12, 8, generator=g)
     mask = torch.ones(1, 1, 5, 12, dtype=torch.bool)
-    want = static_model.grouped_attention(q, keys, values, mask, 0.3)
+    want = attention.grouped_attention(q, keys, values, mask, 0.3)
     real = F.scaled_dot_product_attention
-    monkeypatch.setattr(static_model.F, "scaled_dot_product_attention",
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
                         lambda *a, **k: real(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
-    torch.testing.assert_close(static_model.grouped_attention(q, keys, values, mask, 0.3), want)
+    torch.testing.assert_close(attention.grouped_attention(q, keys, values, mask, 0.3), want)
 
 
 def test_malformed_tree_specs():

@@ -171,7 +171,7 @@ def train_a_few_steps(module_class, verifier_dir: str, measure_k: int) -> Drafte
 
 def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigram_family, verifier_factory, tmp_path):
     from spectrain.eval.cli import parse_args
-    from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
     from spectrain.heads.formats import FORMATS, check_format_for, detect_format, export_drafter, import_drafter
     from spectrain.heads.verifier import load_verifier
 
@@ -188,8 +188,8 @@ def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigr
     head = load_drafter(str(run), verifier, "bigram")
     assert isinstance(head, BigramHead) and parse_args(["--method", "bigram"]).method == "bigram"
     prompts = [["the king sat on the mat"], ["where is the river"]]
-    result = evaluate_drafter(verifier, prompts, method="bigram", drafter=head, k=1, max_new_tokens=12,
-                              hf_generate=0, costs=False, chat_template=False)
+    settings = EvalSettings(k=1, max_new_tokens=12, hf_generate=0, costs=False, chat_template=False)
+    result = evaluate_drafter(verifier, prompts, "bigram", settings, drafter=head)
     assert result.method == "bigram" and result.results["chain-1"]["identical_to_ar"]
     # A control whose acceptance is known: the head rigged to propose AR's most frequent token every round. By
     # hand over AR's outputs (the first token is the prefill's), a round at position p accepts iff out[p] is it.
@@ -205,16 +205,15 @@ def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigr
     with torch.no_grad():
         constant.proj.weight.zero_()
         constant.proj.bias.copy_(torch.nn.functional.one_hot(torch.tensor(token), head.proj.bias.numel()).float())
-    rigged = evaluate_drafter(verifier, prompts, method="bigram", drafter=constant, k=1, max_new_tokens=12,
-                              hf_generate=0, costs=False, chat_template=False).results["chain-1"]
+    rigged = evaluate_drafter(verifier, prompts, constant, settings).results["chain-1"]
     assert accepted > 0 and rigged["identical_to_ar"] and rigged["verifier_forwards"] == rounds
     assert rigged["tau"] == pytest.approx(emitted / rounds)
     with pytest.raises(SpectrainError, match="2 deep but the drafter drafts at most 1 deep"):
-        evaluate_drafter(verifier, prompts, method="bigram", drafter=head, k=2, max_new_tokens=4, hf_generate=0,
-                         costs=False, chat_template=False)
+        evaluate_drafter(verifier, prompts, head, EvalSettings(k=2, max_new_tokens=4, hf_generate=0, costs=False,
+                                                               chat_template=False))
     with pytest.raises(SpectrainError, match="drafts chains only"):
-        evaluate_drafter(verifier, prompts, method="bigram", drafter=head, k=0, tree="[[0], [1]]", max_new_tokens=4,
-                         hf_generate=0, costs=False, chat_template=False)
+        evaluate_drafter(verifier, prompts, head, EvalSettings(k=0, tree="[[0], [1]]", max_new_tokens=4,
+                                                               hf_generate=0, costs=False, chat_template=False))
 
     # export -> import: the family's serving format, and our own run-dir format
     assert FORMATS["bigram-flat"] == "a toy engine's flat layout" and check_format_for(head, "bigram-flat") == "bigram"
@@ -307,8 +306,11 @@ def test_the_bigram_run_dir_is_refused_once_its_family_is_gone(tmp_path, bigram_
 
 
 def _row_ctx(drafter):
-    args = SimpleNamespace(k=1, tree_nodes=8, tree_depth=2, tree_topk=2, min_match=2, min_match_sampled=4)
-    return SimpleNamespace(args=args, drafter=lambda name, path: drafter)
+    from spectrain.eval.results import settings_from_args
+
+    args = SimpleNamespace(k=1, tree_nodes=8, tree_depth=2, tree_topk=2, min_match=2, min_match_sampled=4,
+                           max_new_tokens=8, seed=0)
+    return SimpleNamespace(args=args, drafter=lambda name, path: drafter, settings=settings_from_args(args, 64))
 
 
 def test_results_label_an_unregistered_drafter_an_error_not_eagle(bigram_family):
@@ -319,9 +321,13 @@ def test_results_label_an_unregistered_drafter_an_error_not_eagle(bigram_family)
     with pytest.raises(SpectrainError, match="Linear is not the drafter of a registered drafter family"):
         row_options(_row_ctx(nn.Linear(2, 2)), chain, "")
     head = BigramHead(BigramConfig(4, 10))
-    options, definition = row_options(_row_ctx(head), chain, "")
-    assert options["method"] == "bigram" and options["drafter"] is head and definition["tree"] == "chain"
-    assert row_options(_row_ctx(head), {**chain, "drafter": "hybrid-d"}, "")[0]["method"] == "hybrid"
+    call, definition = row_options(_row_ctx(head), chain, "")
+    assert call.method == "bigram" and call.drafter is head and definition["tree"] == "chain"
+    s = call.settings
+    assert (s.k, s.max_len, s.costs, s.chat_template, s.hf_generate) == (1, 64, False, True, 0)
+    assert row_options(_row_ctx(head), {**chain, "drafter": "hybrid-d"}, "")[0].method == "hybrid"
+    sampled, _ = row_options(_row_ctx(head), {**chain, "drafter": "ngram", "temperature": 1.0}, "")
+    assert sampled.method == "ngram" and sampled.settings.temperature == 1.0  # a sampled row decodes sampled
     with pytest.raises(SpectrainError, match="bigram head drafters grow neither"):
         row_options(_row_ctx(head), {**chain, "setting": "tree-8"}, "")
 
@@ -354,7 +360,7 @@ def test_fsdp_refuses_a_decoder_layer_of_an_unregistered_drafter():
     """FSDP's policy took every ``*DecoderLayer`` not named ``Eagle*`` for a verifier layer, and (never wrapping a
     drafter it did not know) descended into an unknown drafter: its layers became frozen-verifier units and its
     other weights fell into the root unit with the verifier's embeddings. Now verifier layers are transformers'
-    ``*DecoderLayer`` classes, each registered family's ``fsdp_units`` are one unit each, and any other decoder
+    ``*DecoderLayer`` classes, each registered family's drafter class is one unit, and any other decoder
     layer is refused."""
     from spectrain.train.strategies import fsdp_units
 

@@ -100,7 +100,7 @@ def installed(tmp_path, monkeypatch):
 @pytest.mark.parametrize("entry_point", ["mtp = toy_mtp:FAMILY", "mtp = toy_mtp_module"])
 def test_an_installed_family_trains_evaluates_exports_and_imports(installed, verifier_factory, tmp_path, entry_point):
     from spectrain.eval.cli import parse_args as eval_args
-    from spectrain.eval.evaluate import evaluate_drafter, load_drafter
+    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
     from spectrain.heads.export_cli import parse_args as export_args
     from spectrain.heads.export_cli import run as export_run
     from spectrain.heads.formats import FORMATS, detect_format, import_drafter
@@ -125,8 +125,8 @@ def test_an_installed_family_trains_evaluates_exports_and_imports(installed, ver
     verifier = load_verifier(verifier_dir, dtype=torch.float32)
     head = load_drafter(str(run), verifier, "mtp")
     assert type(head).__name__ == "MtpHead"
-    result = evaluate_drafter(verifier, [["the king sat on the mat"]], method="mtp", drafter=head, k=1,
-                              max_new_tokens=10, hf_generate=0, costs=False, chat_template=False)
+    result = evaluate_drafter(verifier, [["the king sat on the mat"]], head,
+                              EvalSettings(k=1, max_new_tokens=10, hf_generate=0, costs=False, chat_template=False))
     assert result.method == "mtp" and result.results["chain-1"]["identical_to_ar"]
 
     # export through spectrain-export (its --format choices include the package's format), then import it back

@@ -81,7 +81,7 @@ def test_store_size_is_exact_against_a_real_extract(verifier_factory, text_file,
     layers its drafter reads."""
     from safetensors import safe_open
 
-    from spectrain.data.store import main as extract_main
+    from spectrain.data.extract import main as extract_main
 
     verifier = verifier_factory("llama", False, layers=8)
     extract_main(["--verifier", str(verifier), "--layer_ids", "2,4,5", "--topk", "3", "--dry_run",

@@ -110,14 +110,15 @@ def test_longer_lookup_rounds_stay_lossless_and_accept_more(bigram):
 
 
 def test_lookup_length_sizes_the_verify_passes_and_is_checked():
-    from spectrain.eval.evaluate import Settings, verify_sizes
+    from spectrain.eval.evaluate import EvalSettings, method_named
 
-    assert verify_sizes(Settings(method="hybrid", k=5, lookup=10)) == [1, 6, 11]
-    assert verify_sizes(Settings(method="hybrid", k=5)) == [1, 6]
+    hybrid = method_named("hybrid")
+    assert hybrid.verify_sizes(EvalSettings(k=5, lookup=10)) == [1, 6, 11]
+    assert hybrid.verify_sizes(EvalSettings(k=5)) == [1, 6]
     with pytest.raises(SpectrainError, match="--lookup must be an integer >= 0"):
-        Settings(method="hybrid", lookup=-1).check()
+        EvalSettings(lookup=-1)
     with pytest.raises(SpectrainError, match="--method eagle has no lookup"):
-        Settings(method="eagle", lookup=8).check()
+        method_named("eagle").check(EvalSettings(lookup=8))
 
 
 def test_bad_hybrid_settings_are_refused(bigram):

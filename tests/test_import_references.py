@@ -28,9 +28,9 @@ from spectrain.eval.eagle import EagleChainDrafter
 from spectrain.eval.evaluate import load_drafter
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.formats import (TOKEN_MAP_FILE, check_token_map, export_drafter, import_drafter,
-                                     recorded_verifier, validate_export)
+from spectrain.heads.formats import export_drafter, import_drafter, recorded_verifier, validate_export
 from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.token_map import TOKEN_MAP_FILE, check_token_map
 from spectrain.heads.verifier import (Verifier, match_verifier, save_verifier_signature, tokenizer_fingerprint,
                                       verifier_identity)
 from spectrain.heads.vocab import Ranking, load_ranking

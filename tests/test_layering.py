@@ -1,5 +1,6 @@
 """Imports flow one way: heads/ is the base; data/, train/ and eval/ build on it; data/ imports neither train/
-nor eval/; eval/ never imports train/ (evaluation runs with torch + transformers + safetensors only)."""
+nor eval/; eval/ never imports train/ (evaluation runs with torch + transformers + safetensors only). No two
+modules import each other, directly or around a circle, lazy imports included."""
 
 from __future__ import annotations
 
@@ -32,6 +33,75 @@ def forbidden_imports(layer: str, source: str, filename: str = "<source>") -> li
                     and parts[1] not in ALLOWED[layer]:
                 found.append(f"{filename}:{node.lineno} {layer} -> {name}")
     return found
+
+
+def module_names() -> dict[str, Path]:
+    """Every module of the four packages by its import name (``spectrain.data.store``)."""
+    out = {}
+    for layer in ALLOWED:
+        for path in (ROOT / layer).rglob("*.py"):
+            parts = path.relative_to(ROOT / layer).with_suffix("").parts
+            out[".".join(("spectrain", layer) + parts).removesuffix(".__init__")] = path
+    return out
+
+
+def imported(module: str, source: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``module``'s source imports, at top level or inside a function."""
+    layer, found = module.split(".")[1], set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from its own package (level 1) or from spectrain (level 2)
+                base = (f"spectrain.{layer}" if node.level == 1 else "spectrain") + (f".{base}" if base else "")
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in known and n != module}
+    return found
+
+
+def import_circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other around a circle (strongly connected, more than one)."""
+    order, low, stack, circles = {}, {}, [], []
+
+    def visit(v: str) -> None:
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while group[-1:] != [v]:
+                group.append(stack.pop())
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in order:
+            visit(v)
+    return circles
+
+
+def test_no_import_circles():
+    modules = module_names()
+    edges = {m: imported(m, path.read_text(), set(modules)) for m, path in modules.items()}
+    assert import_circles(edges) == []
+
+
+def test_the_check_sees_an_import_circle():
+    known = {"spectrain.data.a", "spectrain.data.b", "spectrain.data.c"}
+    lazy = imported("spectrain.data.b", "def f():\n    from .c import x\n", known)
+    edges = {"spectrain.data.a": imported("spectrain.data.a", "from . import b\n", known),
+             "spectrain.data.b": lazy, "spectrain.data.c": imported("spectrain.data.c", "import spectrain.data.a\n", known)}
+    assert import_circles(edges) == [["spectrain.data.a", "spectrain.data.b", "spectrain.data.c"]]
+    edges["spectrain.data.c"] = set()
+    assert import_circles(edges) == []
 
 
 def test_no_import_points_against_the_layers():

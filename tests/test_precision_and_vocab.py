@@ -348,7 +348,7 @@ def test_decode_dtype_is_a_rule_no_timer_can_flip(monkeypatch):
     (the old rule raced fp32 against bf16 once per job and flipped between runs of the same command)."""
     from spectrain.eval import costs
     from spectrain.eval import decode_dtype as dd
-    from spectrain.eval.evaluate import Settings, verify_sizes
+    from spectrain.eval.evaluate import EvalSettings, method_named
 
     def noisy_timer(*args, **kwargs):
         raise AssertionError("decode_dtype timed a forward")
@@ -360,11 +360,11 @@ def test_decode_dtype_is_a_rule_no_timer_can_flip(monkeypatch):
     monkeypatch.setattr(dd, "bf16_is_native", lambda device: True)
     choices = {dd.decode_dtype("cpu")[0] for _ in range(5)}
     assert choices == {torch.bfloat16} and "AMX" in dd.decode_dtype("cpu")[1]["rule"]
-    assert verify_sizes(Settings(method="none")) == [1]
-    assert max(verify_sizes(Settings(method="ngram", k=5))) == 6
-    assert verify_sizes(Settings(method="medusa", k=4, tree="auto:32")) == [1, 5, 33]
-    assert verify_sizes(Settings(method="eagle", k=4, dynamic_tree=(6, 8, 64))) == [1, 5, 65]
-    assert verify_sizes(Settings(method="hybrid", k=4, tree="auto:32")) == [1, 5, 37]  # + the lookup branch
+    assert method_named("none").verify_sizes(EvalSettings()) == [1]
+    assert max(method_named("ngram").verify_sizes(EvalSettings(k=5))) == 6
+    assert method_named("medusa").verify_sizes(EvalSettings(k=4, tree="auto:32")) == [1, 5, 33]
+    assert method_named("eagle").verify_sizes(EvalSettings(k=4, dynamic_tree=(6, 8, 64))) == [1, 5, 65]
+    assert method_named("hybrid").verify_sizes(EvalSettings(k=4, tree="auto:32")) == [1, 5, 37]  # + the lookup branch
 
 
 def test_the_cpu_record_names_the_class_a_speed_was_measured_on(monkeypatch):

@@ -17,7 +17,7 @@ from spectrain.eval.decode import generate
 from spectrain.eval.drafters import HybridDrafter
 from spectrain.eval.eagle import EagleChainDrafter, EagleTreeDrafter
 from spectrain.eval.medusa import MedusaDrafter
-from spectrain.eval.evaluate import evaluate_drafter, resolve_draft_vocab
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, resolve_draft_vocab
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.errors import SpectrainError
@@ -179,15 +179,15 @@ def test_evaluate_drafter_reports_draft_vocab_and_draft_cost(tiny_tokenizer, tmp
     save_ranking(tmp_path, torch.arange(320), default_size=120)  # the 120 most frequent: ids 200..319
     heads.ranking = load_ranking(tmp_path)
     verifier = Verifier(model, tiny_tokenizer, "bigram")
-    result = evaluate_drafter(verifier, [["hello there"], ["the cat"]], method="medusa", drafter=heads, k=K,
-                              max_new_tokens=24, chat_template=False, hf_generate=0)
+    result = evaluate_drafter(verifier, [["hello there"], ["the cat"]], heads,
+                              EvalSettings(k=K, max_new_tokens=24, chat_template=False, hf_generate=0))
     chain, cost = result.results[f"chain-{K}"], result.costs["settings"][f"chain-{K}"]
     assert result.draft_vocab == 120 and chain["draft_vocab"] == 120 and chain["identical_to_ar"]
     rounds = chain["round_ms"]  # the rounds' own drafting over their verify passes; isolated probes kept apart
     assert chain["draft_over_verify"] == pytest.approx(rounds["draft"] / rounds["verify"]) and rounds["draft"] > 0
     assert cost["t_draft_ms"] > 0 and cost["draft_over_verify"] == pytest.approx(cost["t_draft_ms"] / cost["t_verify_ms"])
-    full = evaluate_drafter(verifier, [["hello there"]], method="medusa", drafter=heads, k=K, max_new_tokens=8,
-                            chat_template=False, hf_generate=0, costs=False, draft_vocab=0)
+    full = evaluate_drafter(verifier, [["hello there"]], "medusa", drafter=heads, settings=EvalSettings(
+        k=K, max_new_tokens=8, chat_template=False, hf_generate=0, costs=False, draft_vocab=0))
     assert full.draft_vocab == 320
 
 

@@ -10,7 +10,7 @@ import torch
 from spectrain.eval.accept import Sampling
 from spectrain.eval.decode import RoundClock, generate
 from spectrain.eval.drafters import Autoregressive
-from spectrain.eval.evaluate import evaluate_drafter
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.heads.verifier import load_verifier
 from tests.eval_helpers import bigram_verifier
@@ -114,8 +114,8 @@ def test_ideal_and_planner_come_from_the_rounds(verifier_factory, method):
     expected τ over that round), and AR's round at one token."""
     verifier = load_verifier(str(verifier_factory("llama", False)))
     prompts = [["the king and the king and the king"], ["a b a b a b a b"]]
-    result = evaluate_drafter(verifier, prompts, method=method, k=3, max_new_tokens=24, hf_generate=0,
-                              chat_template=False)
+    result = evaluate_drafter(verifier, prompts, method,
+                              EvalSettings(k=3, max_new_tokens=24, hf_generate=0, chat_template=False))
     chain, ar = result.results["chain-3"], result.results["ar"]
     ms = chain["round_ms"]
     assert chain["draft_over_verify"] == pytest.approx(ms["draft"] / ms["verify"])

@@ -233,7 +233,7 @@ def chat_store(tmp_path_factory, verifier_dir):
     import io
     import os
 
-    from spectrain.data.store import extract_command
+    from spectrain.data.extract import extract_command
 
     root = tmp_path_factory.mktemp("chat-store")
     path = write_jsonl(root / "chat.jsonl", mixed_records(12, 8))

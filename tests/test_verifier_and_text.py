@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectrain.data.bundled import split_text
+from spectrain.data.text import split_text
 from spectrain.data.datamodule import DrafterDataModule
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.verifier import load_verifier, verifier_features

@@ -25,10 +25,10 @@ from spectrain.heads.errors import SpectrainError
 
 
 def drafter_units() -> tuple[type, ...]:
-    """The module classes FSDP wraps as drafter units: every registered family's ``fsdp_units``."""
+    """The module classes FSDP wraps as drafter units, each whole: every registered family's drafter class."""
     from spectrain.heads.families import families
 
-    return tuple(unit for family in families() for unit in family.fsdp_units)
+    return tuple(family.drafter_class for family in families())
 
 
 def is_drafter(module: nn.Module) -> bool:
@@ -50,7 +50,7 @@ def is_verifier_layer(module: nn.Module) -> bool:
         return True
     raise SpectrainError(f"{cls.__name__} ({cls.__module__}) is a decoder layer outside the verifier and outside "
                          f"every registered drafter's FSDP units ({', '.join(c.__name__ for c in drafter_units())}): "
-                         "register its drafter family (register_family; its fsdp_units) so FSDP wraps it with the "
+                         "register its drafter family (register_family) so FSDP wraps its drafter class with the "
                          "drafter")
 
 
