@@ -24,7 +24,8 @@ from dataclasses import replace
 
 import torch
 
-from spectrain.eval.evaluate import EvalSettings, encode_turn, evaluate_drafter, load_drafter
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
+from spectrain.eval.runs import encode_turn
 from spectrain.eval.prompts import load_prompts
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.heads.errors import run_command

@@ -35,7 +35,8 @@ import torch
 
 from spectrain.eval.cli import dynamic_tree, named_values
 from spectrain.eval.decode_dtype import cpu_line, cpu_record, decode_dtype
-from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, in_loop_costs, load_drafter, summarize
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
+from spectrain.eval.runs import in_loop_costs, summarize
 from spectrain.eval.prompts import load_prompts
 from spectrain.eval.repeats import check_repeats, merge_repeats
 from spectrain.eval.results import RowCall, drafter_formats

@@ -18,12 +18,13 @@ from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.families import OUR_FORMAT
 from spectrain.heads.formats import input_format
 from spectrain.heads.report import finish, format_table
-from spectrain.heads.verifier import load_verifier, resolve_dtype
+from spectrain.heads.precision import resolve_dtype
+from spectrain.heads.verifier import load_verifier
 
 from .decode_dtype import cpu_record, decode_dtype
-from .evaluate import EvalSettings, evaluate_drafter, load_drafter, methods
+from .evaluate import EvalSettings, evaluate_drafter, load_drafter
 from .families import families_with
-from .methods import EvalMethod, all_methods, method_named
+from .methods import EvalMethod, all_methods, method_named, methods
 from .plots import write_plots
 from .prompts import BUNDLED, load_prompts
 from .settings import TreeKind, parse_dynamic_tree

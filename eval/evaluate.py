@@ -11,9 +11,9 @@ loop, beside plain autoregressive decoding of the same prompts, and returns what
 
 It walks one evaluation in order; its steps live beside it, one job each: the settings (:mod:`.settings`), the
 methods and their shapes (:mod:`.methods`, the training-free ones in :mod:`.training_free`), set-up
-(:mod:`.setup`), runs and summaries (:mod:`.runs`), the planner (:mod:`.planner`). Their public names are
-re-exported here, where callers have always imported them from. Imports only torch and transformers (and
-safetensors through the drafter loaders).
+(:mod:`.setup`), runs and summaries (:mod:`.runs`), the planner (:mod:`.planner`); import their names from them.
+This module's public surface is :data:`__all__`: the function, its settings, its result and the drafter loader.
+Imports only torch and transformers (and safetensors through the drafter loaders).
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from spectrain.heads.verifier import Verifier, max_context
 
 from .costs import draft_cost, probe_state, verify_cost
 from .drafters import Autoregressive, HybridDrafter
-from .methods import (DraftInputs, EvalMethod, all_methods, bind_learned, dynamic_name, lookup_length,  # noqa: F401
-                      make_trees, method_named, methods, register_method, resolve_method)
+from .methods import DraftInputs, EvalMethod, bind_learned, make_trees, resolve_method
 from .planner import PLANNER_TREES, plan_speedups
-from .runs import (divergences, encode_turn, eos_ids, hf_generate_speed, identical_turns, in_loop_costs,  # noqa: F401
-                   run_prompts, summarize, turn_record, ulp)
-from .settings import DraftShape, EvalSettings, TreeKind, parse_dynamic_tree  # noqa: F401
-from .setup import (EvalResult, draft_vocab_of, learned_kind, load_drafter, refuse_draft_vocab,  # noqa: F401
-                    resolve_draft_vocab)
+from .runs import (divergences, encode_turn, eos_ids, hf_generate_speed, identical_turns, in_loop_costs, run_prompts,
+                   summarize)
+from .settings import EvalSettings, TreeKind
+from .setup import EvalResult, draft_vocab_of, load_drafter, refuse_draft_vocab
 from .static_model import StaticCausalLM
 from .tree import Tree, expected_accept_length
+
+__all__ = ["EvalResult", "EvalSettings", "evaluate_drafter", "load_drafter"]
 
 
 def evaluate_drafter(verifier: Verifier, prompts: list[list[str]],

@@ -37,18 +37,20 @@ from typing import Any, NamedTuple
 import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.io import read_json, sha256_files, write_json
 from spectrain.heads.families import OUR_FORMAT, family_of
+from spectrain.heads.io import read_json, sha256_files, write_json
 from spectrain.heads.formats import detect_format
 from spectrain.heads.report import finish, format_table
-from spectrain.heads.verifier import load_verifier, max_context, resolve_dtype
+from spectrain.heads.precision import resolve_dtype
+from spectrain.heads.verifier import load_verifier, max_context
 
 from . import metrics
 from .cli import named_values
 from .drafters import check_min_match
-from .evaluate import EvalResult, EvalSettings, encode_turn, evaluate_drafter, load_drafter, summarize
+from .evaluate import EvalResult, EvalSettings, evaluate_drafter, load_drafter
 from .families import evaluator_of, families_with
 from .prompts import prompt_rows
+from .runs import encode_turn, summarize
 from .static_model import default_batch_invariant
 
 PROMPT_SETS = ("mt_bench", "alpaca", "gsm8k")

@@ -9,7 +9,8 @@ import torch
 from spectrain.eval.cli import divergence_line
 from spectrain.eval.decode import Trace, generate
 from spectrain.eval.drafters import Autoregressive, NgramDrafter
-from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, ulp
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter
+from spectrain.eval.runs import ulp
 from spectrain.eval.attention import grouped_attention
 from spectrain.eval.static_model import ATTENTION_ROWS, StaticCausalLM
 from spectrain.heads.precision import cast_module

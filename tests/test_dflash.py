@@ -268,7 +268,8 @@ def test_a_confidence_cut_samples_the_verifier_distribution(soft, kw, shape):
 
 def test_min_confidence_refusals(bigram, tiny_tokenizer, monkeypatch):
     from spectrain.eval import evaluate as evaluate_module
-    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, method_named
+    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter
+    from spectrain.eval.methods import method_named
     from spectrain.eval.families import learned_drafter
     from spectrain.eval.tree import Tree
     from spectrain.heads.verifier import Verifier

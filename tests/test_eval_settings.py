@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from spectrain.eval.evaluate import EvalSettings, all_methods, evaluate_drafter, make_trees, method_named, methods
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter
+from spectrain.eval.methods import all_methods, make_trees, method_named, methods
 from spectrain.eval.families import BoundDrafter, evaluator_of
 from spectrain.eval.methods import (EvalMethod, bind_learned, register_method, resolve_method, training_free_methods,
                                     unregister_method)

@@ -383,7 +383,7 @@ def test_fsdp_refuses_a_decoder_layer_of_an_unregistered_drafter():
 
 
 def test_an_unregistered_drafter_is_refused_by_training_and_evaluation():
-    from spectrain.eval.evaluate import learned_kind
+    from spectrain.eval.setup import learned_kind
     from spectrain.heads.formats import method_of
 
     for call in (lambda: family_of(nn.Linear(2, 2)), lambda: method_of(nn.Linear(2, 2)),

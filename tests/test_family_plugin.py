@@ -156,7 +156,7 @@ def test_the_evaluators_own_method_names_are_refused(name, methods):
 
 
 def test_the_reserved_names_cover_the_evaluators_other_methods():
-    from spectrain.eval.evaluate import methods
+    from spectrain.eval.methods import methods
 
     others = set(methods()) - {f.name for f in registry.families()}
     assert others and others <= set(RESERVED_METHODS)

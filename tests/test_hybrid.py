@@ -110,7 +110,8 @@ def test_longer_lookup_rounds_stay_lossless_and_accept_more(bigram):
 
 
 def test_lookup_length_sizes_the_verify_passes_and_is_checked():
-    from spectrain.eval.evaluate import EvalSettings, method_named
+    from spectrain.eval.evaluate import EvalSettings
+    from spectrain.eval.methods import method_named
 
     hybrid = method_named("hybrid")
     assert hybrid.verify_sizes(EvalSettings(k=5, lookup=10)) == [1, 6, 11]

@@ -348,7 +348,8 @@ def test_decode_dtype_is_a_rule_no_timer_can_flip(monkeypatch):
     (the old rule raced fp32 against bf16 once per job and flipped between runs of the same command)."""
     from spectrain.eval import costs
     from spectrain.eval import decode_dtype as dd
-    from spectrain.eval.evaluate import EvalSettings, method_named
+    from spectrain.eval.evaluate import EvalSettings
+    from spectrain.eval.methods import method_named
 
     def noisy_timer(*args, **kwargs):
         raise AssertionError("decode_dtype timed a forward")

@@ -17,7 +17,8 @@ from spectrain.eval.decode import generate
 from spectrain.eval.drafters import HybridDrafter
 from spectrain.eval.eagle import EagleChainDrafter, EagleTreeDrafter
 from spectrain.eval.medusa import MedusaDrafter
-from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, resolve_draft_vocab
+from spectrain.eval.evaluate import EvalSettings, evaluate_drafter
+from spectrain.eval.setup import resolve_draft_vocab
 from spectrain.eval.static_model import StaticCausalLM
 from spectrain.eval.tree import Tree
 from spectrain.heads.errors import SpectrainError

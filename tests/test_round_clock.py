@@ -84,7 +84,7 @@ def test_stamps_group_into_phases():
 
 def test_a_turn_without_rounds_reports_no_round_costs():
     """One new token comes from the prefill: no round, zero phases, and the summary says none were measured."""
-    from spectrain.eval.evaluate import in_loop_costs, summarize, turn_record
+    from spectrain.eval.runs import in_loop_costs, summarize, turn_record
 
     model, _ = bigram_verifier()
     runner = StaticCausalLM(model, max_len=64, device=torch.device("cpu"))
@@ -99,7 +99,7 @@ def test_a_turn_without_rounds_reports_no_round_costs():
 def test_in_loop_costs_on_a_hand_computed_round():
     """Pinned by hand: a round of 2 ms drafting + 8 ms verify + 1 ms other at τ 2.5, AR at 6 ms a token, a
     measured speedup of 1.2: draft/verify 2/8 = 0.25; ideal 2.5 × 6 / (2 + 8) = 1.5; measured / ideal 0.8."""
-    from spectrain.eval.evaluate import in_loop_costs
+    from spectrain.eval.runs import in_loop_costs
 
     chain = {"round_ms": {"draft": 2.0, "verify": 8.0, "other": 1.0}, "tau": 2.5, "speedup": 1.2}
     ar = {"round_ms": {"draft": 0.0, "verify": 6.0, "other": 0.0}, "decode_ms_per_token": 6.0}
