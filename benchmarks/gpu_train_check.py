@@ -472,7 +472,7 @@ def own_train(args, state: dict) -> dict:
 def own_evaluate(args, state: dict) -> dict:
     """Step 5: the trained drafter in our lossless loop (chain of :data:`OWN_CHAIN`, T = 0) on the first prompts;
     returns τ, α and whether every output equals plain greedy decoding (else: every parting a measured near-tie)."""
-    from spectrain.data.distill import prompts_of
+    from spectrain.data.distill_rows import prompts_of
     from spectrain.eval.evaluate import EvalSettings, evaluate_drafter
     from spectrain.heads.verifier import Verifier
 

@@ -32,85 +32,10 @@ from pathlib import Path
 import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.io import write_json
 from spectrain.heads.report import finish, format_table
 
-ROLE_TO_SHAREGPT = {"user": "human", "assistant": "gpt", "system": "system"}
-
-
-def prompts_of(record: dict, max_turns: int) -> tuple[str | None, list[str]]:
-    """(system prompt or None, the first ``max_turns`` user turns) of any supported chat record."""
-    system, pairs = turns_of(record, max_turns)
-    return system, [user for user, _ in pairs]
-
-
-def turns_of(record: dict, max_turns: int) -> tuple[str | None, list[tuple[str, str]]]:
-    """(system prompt or None, the first ``max_turns`` (user turn, the dataset's reply to it or "") pairs)."""
-    from .chat import all_messages
-
-    messages = all_messages(record)
-    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
-    pairs = []
-    for i, m in enumerate(messages):
-        if m["role"] == "user" and m["content"].strip():
-            nxt = messages[i + 1] if i + 1 < len(messages) else None
-            pairs.append((m["content"], nxt["content"] if nxt and nxt["role"] == "assistant" else ""))
-    return system, pairs[:max_turns]
-
-
-def prompt_length(tokenizer, history: list[dict]) -> int:
-    """Tokens of the chat-templated prompt the verifier would answer."""
-    text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def original_replies(tokenizer, replies: list[str], max_new_tokens: int) -> list[str]:
-    """The dataset's own replies cut at ``max_new_tokens`` verifier tokens (the raw twin of a distilled set)."""
-    out = []
-    for reply in replies:
-        ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-        out.append(reply if len(ids) <= max_new_tokens else tokenizer.decode(ids[:max_new_tokens]).strip())
-    return out
-
-
-def looping(ids: list[int], min_repeats: int = 3, min_span: int = 24, max_period: int = 64) -> bool:
-    """Whether a reply (token ids) ends in a verbatim loop: its last ``p`` tokens repeat at least ``min_repeats``
-    times back to back for some period ``p <= max_period``, covering at least ``min_span`` tokens (so a short
-    run such as a row of dashes does not count)."""
-    n = len(ids)
-    for p in range(1, min(max_period, n // min_repeats) + 1):
-        tail, r = ids[n - p:], 1
-        while (r + 1) * p <= n and ids[n - (r + 1) * p:n - r * p] == tail:
-            r += 1
-        if r >= min_repeats and r * p >= min_span:
-            return True
-    return False
-
-
-def distinct_n(replies: list[list[int]], n: int = 4) -> float:
-    """Distinct n-grams / all n-grams over the replies (token ids): 1.0 never repeats, loops push it to 0."""
-    grams = [tuple(ids[i:i + n]) for ids in replies for i in range(len(ids) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
-def read_done(out: Path) -> set[int]:
-    """Ids already written; truncates a torn last line (a crash mid-write) so appends stay valid JSONL."""
-    if not out.is_file():
-        return set()
-    data = out.read_bytes()
-    keep = data if data.endswith(b"\n") or not data else data[:data.rfind(b"\n") + 1]
-    if len(keep) != len(data):
-        with open(out, "r+b") as f:
-            f.truncate(len(keep))
-    done = set()
-    for i, line in enumerate(keep.decode("utf-8").split("\n"), 1):
-        if line.strip():
-            try:
-                done.add(int(json.loads(line)["id"]))
-            except (json.JSONDecodeError, KeyError, ValueError):
-                raise SpectrainError(f"{out}, line {i}: not a spectrain-distill row; use another --out") from None
-    return done
-
+from .distill_rows import (append_rows, conversations_todo, distinct_n, looping, original_replies,
+                           prepare_output, prompt_length, row_of)
 
 @torch.no_grad()
 def answer_batch(model, tokenizer, histories: list[list[dict]], max_new_tokens: int, temperature: float,
@@ -171,60 +96,6 @@ def generate_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     out = torch.stack(new, 1).tolist()
     ends = set(stops)
     return [row[:next((i for i, t in enumerate(row) if t in ends), len(row))] for row in out]
-
-
-META_RECORDS = ("served_runs",)  # kept in OUT.meta.json beside the settings, not part of the resume key
-
-
-def prepare_output(out: Path, settings: dict, served_run: dict | None = None) -> set[int]:
-    """Check ``out`` against its ``.meta.json`` (other settings refused), write the settings (and, for a served run,
-    append ``served_run`` to its ``served_runs``: which endpoints answered, the check's outcome) and return the ids
-    already written. The endpoints are not part of the resume key: a rerun with other servers resumes."""
-    meta_path = out.with_name(out.name + ".meta.json")
-    old = {}
-    if meta_path.is_file():
-        old = json.loads(meta_path.read_text())
-        if {k: v for k, v in old.items() if k not in META_RECORDS} != settings:
-            raise SpectrainError(f"{out} was generated with other settings ({meta_path}); use another --out")
-    elif out.is_file() and out.stat().st_size:
-        raise SpectrainError(f"{out} exists without {meta_path.name}: not a spectrain-distill output; use another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(settings)
-    if served_run is not None or old.get("served_runs"):
-        meta["served_runs"] = old.get("served_runs", []) + ([served_run] if served_run is not None else [])
-    write_json(meta_path, meta)
-    return read_done(out)
-
-
-def conversations_todo(records: list[dict], settings: dict, done: set[int]) -> tuple[list[tuple], int]:
-    """(the (id, system prompt, [(user turn, dataset reply)]) not yet in the output, how many have no user turn)."""
-    original = settings.get("responses") == "original"
-    todo, skipped = [], 0
-    for i, record in enumerate(records):
-        system, pairs = turns_of(record, settings["max_turns"])
-        if original and any(not reply.strip() for _, reply in pairs):
-            pairs = pairs[:next(k for k, (_, reply) in enumerate(pairs) if not reply.strip())]
-        if not pairs:
-            skipped += 1
-        elif i not in done:
-            todo.append((i, system, pairs))
-    return todo, skipped
-
-
-def row_of(i: int, history: list[dict], looped: bool, settings: dict) -> dict:
-    """One output row: the conversation as ShareGPT turns and the settings it was generated with."""
-    row = {"id": i, "conversations": [{"from": ROLE_TO_SHAREGPT[m["role"]], "value": m["content"]} for m in history],
-           "generation": settings}
-    if looped:
-        row["stopped_by_loop"] = True
-    return row
-
-
-def append_rows(f, rows: list[dict]) -> None:
-    """Whole rows appended and synced: a row is on disk whole or (a torn last line) dropped on resume."""
-    f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    f.flush()
-    os.fsync(f.fileno())
 
 
 def distill(verifier, records: list[dict], out: Path, settings: dict, batch_size: int, log=print) -> dict:
@@ -323,7 +194,7 @@ class ServedAsk:
         return reply, self.tokenizer(reply, add_special_tokens=False)["input_ids"]
 
 
-REFUSALS_TO_STOP = 8  # refused first requests, when no fewer were answered, that stop a served run
+REFUSALS_TO_STOP = 8  # refused first requests (at least a pool's worth, no fewer than answered) that stop a run
 
 
 @dataclass
@@ -378,8 +249,8 @@ def distill_served(endpoints: list, ask: ServedAsk, records: list[dict], out: Pa
 
     A request the engine refuses (4xx) ends that conversation only: refused at its first turn it is counted and not
     written (a rerun asks again), at a later turn its earlier turns are written. When refusals are the rule (at
-    least :data:`REFUSALS_TO_STOP` and no fewer than the conversations answered), the run stops with the engine's
-    message: that is a setting the engine rejects, not a conversation."""
+    least :data:`REFUSALS_TO_STOP` and a full pool's worth, and no fewer than the conversations answered), the run
+    stops with the engine's message: that is a setting the engine rejects, not a conversation."""
     from .engine import run_pool
 
     done = prepare_output(out, settings, served_run)
@@ -387,6 +258,7 @@ def distill_served(endpoints: list, ask: ServedAsk, records: list[dict], out: Pa
     counts = {"written": 0, "generated_tokens": 0, "loops_dropped": 0, "prompt_too_long": 0, "refused": 0,
               "turns_refused": 0}
     refusals: dict[str, int] = {}
+    pool_size = in_flight * len(endpoints)
     t0 = time.time()
     with open(out, "a", encoding="utf-8") as f:
         def write(item: tuple, conversation: Conversation) -> None:
@@ -394,7 +266,9 @@ def distill_served(endpoints: list, ask: ServedAsk, records: list[dict], out: Pa
                 refusals[conversation.refused] = refusals.get(conversation.refused, 0) + 1
                 if conversation.refused_turn == 0:
                     counts["refused"] += 1
-                    if counts["refused"] >= REFUSALS_TO_STOP and counts["refused"] >= counts["written"]:
+                    # refusals come back at once while an answer holds its slot for its whole generation: judged
+                    # only after a full pool's worth of conversations (every slot once) has been refused
+                    if counts["refused"] >= max(REFUSALS_TO_STOP, pool_size) and counts["refused"] >= counts["written"]:
                         raise SpectrainError(
                             f"the engine refused {counts['refused']} conversations' first request (answered: "
                             f"{counts['written']}); {conversation.refused_by} said: {conversation.refused}. Everything answered so far "
@@ -406,7 +280,7 @@ def distill_served(endpoints: list, ask: ServedAsk, records: list[dict], out: Pa
             counts["generated_tokens"] += conversation.tokens
             counts["loops_dropped"] += conversation.looped
             counts["prompt_too_long"] += conversation.prompt_too_long
-            if counts["written"] % 50 == 0 or counts["written"] == len(todo):
+            if counts["written"] % 50 == 0 or counts["written"] + counts["refused"] == len(todo):
                 log(f"distill: {len(done) + counts['written']}/{len(records) - skipped} conversations, "
                     f"{counts['generated_tokens'] / max(time.time() - t0, 1e-9):.1f} generated tokens/s")
 
@@ -568,7 +442,8 @@ def run(args) -> Path:
     tables = []
     if served is not None:
         summary["served"] = served
-        lines += [[f"conversations from {url}", n] for url, n in counts["finished_by_endpoint"].items()]
+        lines += [[f"conversations finished on {url} (answered or refused)", n]
+                  for url, n in counts["finished_by_endpoint"].items()]
         lines += [[f"dropped {url}", why] for url, why in counts["dropped_endpoints"].items()]
         lines += [["conversations refused by the engine (not written)", counts["refused"]],
                   ["conversations cut at a refused later turn", counts["turns_refused"]]]

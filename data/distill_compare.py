@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spectrain.data import distill as distill_mod
+from spectrain.data.distill_rows import prompts_of
 from spectrain.data.engine import Endpoint, Parting, cut_at_stop, first_parting, local_greedy
 from spectrain.heads.errors import SpectrainError
 
@@ -58,7 +59,7 @@ def prompt_ids(c: Comparison, tokenizer, cid: int) -> list[int]:
     from spectrain.data.chat import load_records
 
     records = [r for path in c.data for r in load_records(path)[:c.limit]]
-    system, users = distill_mod.prompts_of(records[cid], 1)
+    system, users = prompts_of(records[cid], 1)
     history = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": users[0]}]
     text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

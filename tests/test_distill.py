@@ -8,6 +8,7 @@ import pytest
 
 import spectrain.data.distill as distill_mod
 from spectrain.data.distill import distill
+from spectrain.data.distill_rows import prompt_length
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.verifier import load_verifier
 
@@ -103,7 +104,7 @@ def test_original_responses_are_the_raw_twin(tmp_path, setup):
 
 
 def test_loop_filter_and_distinct4():
-    from spectrain.data.distill import distinct_n, looping
+    from spectrain.data.distill_rows import distinct_n, looping
 
     assert looping([7, 8, 9] + [1, 2, 3, 4, 5, 6, 7, 8] * 4)  # a period of 8 repeated 4 times at the end
     assert looping([5] * 30)
@@ -138,7 +139,7 @@ def test_max_prompt_tokens_skips_long_prompts_and_later_turns(tmp_path, setup):
     verifier, records = setup
     tok = verifier.tokenizer
     records = [{"messages": [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "x"}]}] + records
-    short = distill_mod.prompt_length(tok, [{"role": "user", "content": "tell me of the king 1"}])
+    short = prompt_length(tok, [{"role": "user", "content": "tell me of the king 1"}])
     out = tmp_path / "d.jsonl"
     counts = distill(verifier, records, out, {**SETTINGS, "max_prompt_tokens": short + 2}, batch_size=4,
                      log=lambda *_: None)

@@ -203,6 +203,20 @@ def test_a_refused_request_ends_its_conversation_only(tmp_path, tiny, data_file,
     assert summary["already_done"] == 7 and summary["refused"] == 1 and summary["written"] == 0
 
 
+def test_refusals_returning_before_answers_do_not_stop_the_run(tmp_path, tiny, engine, capsys):
+    """Refusals come back at once while an answer holds its slot: 9 refused first requests of 12, all 12 in flight,
+    finish before any answer; the rule waits for a pool's worth (12 slots) and the run goes on."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"turns": [("refuse me " if i < 9 else "") + f"the river {i}"]})
+                              for i in range(12)) + "\n")
+    e = engine(refuse_text="refuse me")
+    out = tmp_path / "d.jsonl"
+    capsys.readouterr()
+    distill_mod.main(argv(tiny, data, out, e.url, extra=["--skip_verifier_check", "--in_flight", "12"]))
+    summary = summary_of(capsys)
+    assert summary["refused"] == 9 and summary["rows"] == 3 and summary["written"] == 3
+
+
 @pytest.mark.parametrize("layout", ["vllm", "llama"])
 def test_chat_completions_after_the_template_check(tmp_path, tiny, data_file, engine, local_rows, capsys, layout):
     """vLLM renders the chat in /tokenize; llama-server through /apply-template + /tokenize (its /tokenize answers a
