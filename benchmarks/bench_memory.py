@@ -136,7 +136,7 @@ def build_verifier(out_dir: Path) -> None:
 def run_one(name: str, verifier_dir: str, steps: int) -> dict:
     import torch
 
-    from spectrain.train.base import build_optimizer
+    from spectrain.train.optim import build_optimizer
     from spectrain.train.medusa import MedusaModule
 
     chunk, shared = CONFIGS[name]

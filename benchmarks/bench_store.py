@@ -33,7 +33,7 @@ def bench(name: str, verifier_path: str, gguf: str | None, rows: int, steps: int
     from spectrain.data.datamodule import DrafterDataModule
     from spectrain.data.store import HiddenStateStore, collate_store, extract
     from spectrain.heads.verifier import load_verifier
-    from spectrain.train.base import build_optimizer
+    from spectrain.train.optim import build_optimizer
     from spectrain.train.eagle import EagleModule
 
     verifier = load_verifier(verifier_path, gguf_file=gguf)

@@ -23,7 +23,8 @@ from dataclasses import replace
 
 import torch
 
-from spectrain.eval.cli import divergence_line, dynamic_tree
+from spectrain.eval.cli import divergence_line
+from spectrain.eval.settings import parse_dynamic_tree
 from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
 from spectrain.eval.families import evaluator_of
 from spectrain.eval.prompts import load_prompts
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace, command: str):
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, first_turns=True, spread=True)
     drafter = load_drafter(args.drafter, verifier, fmt=args.drafter_format)
     family = family_of(drafter)
-    tree = dynamic_tree(args.dynamic_tree) if evaluator_of(family).dynamic_trees else None  # else the chain alone
+    tree = parse_dynamic_tree(args.dynamic_tree) if evaluator_of(family).dynamic_trees else None  # else the chain alone
     settings = EvalSettings(k=args.k, dynamic_tree=tree, max_new_tokens=args.max_new_tokens, hf_generate=0, costs=False)
     modes, rows, lines = {}, [], []
     for name, invariant in (("old: batch_invariant off", False), ("new: batch_invariant on", True)):

@@ -27,13 +27,14 @@ from dataclasses import replace
 
 import torch
 
-from spectrain.eval.cli import dynamic_tree, named_values
+from spectrain.eval.cli import named_values
+from spectrain.eval.settings import parse_dynamic_tree
 from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
 from spectrain.eval.families import evaluator_of
 from spectrain.eval.prompts import load_prompts
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.families import family_of
-from spectrain.heads.formats import export_drafter
+from spectrain.heads.serving.formats import export_drafter
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier
 
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace, command: str):
     ar = evaluate_drafter(verifier, prompts, "none", common)
     reference, ar_summary = ar.per_prompt["ar"], ar.results["ar"]
     rows, calls = [], []
-    tree = dynamic_tree(args.dynamic_tree) if args.dynamic_tree else None
+    tree = parse_dynamic_tree(args.dynamic_tree) if args.dynamic_tree else None
     for name, path in paths.items():
         drafter = load_drafter(path, verifier)
         family = family_of(drafter)

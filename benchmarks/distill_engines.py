@@ -91,7 +91,7 @@ def run(args) -> Path:
             speeds["local loop"].append(timed_distill(distill_args(c, out / f"local-{r}.jsonl")))
             for name, url in urls.items():
                 speeds[name].append(timed_distill(distill_args(c, out / f"{name.replace(' ', '_')}-{r}.jsonl", url,
-                                                               slots[name], ["--skip_verifier_check"])))
+                                                               slots[name], skip_verifier_check=True)))
         local = replies_of(out / "local-0.jsonl")
         records = {}
         one_slot = f"llama-server -np {args.slots[0]}"

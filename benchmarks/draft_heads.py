@@ -33,7 +33,8 @@ from dataclasses import replace
 
 import torch
 
-from spectrain.eval.cli import dynamic_tree, named_values
+from spectrain.eval.cli import named_values
+from spectrain.eval.settings import parse_dynamic_tree
 from spectrain.eval.decode_dtype import cpu_line, cpu_record, decode_dtype
 from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
 from spectrain.eval.runs import in_loop_costs, summarize
@@ -221,7 +222,7 @@ def run(args: argparse.Namespace, command: str):
         lengths = chains.get(name, [args.k])
         check_chain_depth(name, drafter, max(lengths))  # before anything is decoded
         tree = (dict(tree=args.rank_tree) if evaluator.rank_trees else
-                dict(dynamic_tree=dynamic_tree(args.dynamic_tree)) if evaluator.dynamic_trees else {})  # else chains
+                dict(dynamic_tree=parse_dynamic_tree(args.dynamic_tree)) if evaluator.dynamic_trees else {})  # else chains
         # a drafter trained with its own draft vocabulary drafts over it: no --draft_vocabs
         fixed = evaluator.fixed_draft_vocab(drafter, None) is not None
         own, hybrid_vocabs = (([None], [None] if hybrids.get(name) else []) if fixed else

@@ -45,7 +45,7 @@ from spectrain.eval.engine_verdicts import block_fields, vllm_verdict
 from spectrain.eval.families import check_chain_depth
 from spectrain.eval.vllm_engine import BLOCK_METHODS, ENGINE_FORMAT, VLLM_METHOD, run_vllm
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.formats import export_drafter, import_drafter, method_of
+from spectrain.heads.serving.formats import export_drafter, import_drafter, method_of
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, resolve_verifier
 

@@ -500,7 +500,7 @@ def own_export(args, state: dict) -> dict:
     """Step 6: the trained drafter exported to vLLM's ``eagle3`` and the ``speculators`` layouts (validated against
     each loader as written) in ``export/<layout>``, each re-read (format detection, then every tensor compared);
     returns files and sizes per layout."""
-    from spectrain.heads.formats import detect_format, export_drafter, import_drafter
+    from spectrain.heads.serving.formats import detect_format, export_drafter, import_drafter
     from spectrain.heads.verifier import verifier_identity
 
     module = state["module"]

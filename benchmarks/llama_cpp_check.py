@@ -44,20 +44,21 @@ import time
 from pathlib import Path
 
 from spectrain.eval.decode_dtype import cpu_record
-from spectrain.eval.engine_compare import first_turns, kernel_spread, our_tau, partings, strip_eos
+from spectrain.eval.engine_compare import first_turns, our_tau, path_spread, partings, strip_eos
 from spectrain.eval.engine_controls import dflash_control, eagle3_control, mistaken_gguf
 from spectrain.eval.engine_verdicts import llama_cpp_verdict
 from spectrain.eval.families import evaluator_of
 from spectrain.eval.layer_probe import choose_probe, default_probe_layers, layer_probe, probe_prediction
 from spectrain.eval.llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, find_binary,
                                              resolved_layers, rounds_and_tau)
-from spectrain.heads.dflash_gguf import write_dflash_gguf
-from spectrain.heads.eagle_gguf import ARCH, write_eagle3_gguf
+from spectrain.heads.serving.dflash_gguf import write_dflash_gguf
+from spectrain.heads.serving.eagle_gguf import ARCH, write_eagle3_gguf
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.export_cli import target_gguf_for
+from spectrain.heads.serving.cli import target_gguf_for
 from spectrain.heads.families import family_of
-from spectrain.heads.formats import import_drafter, method_of
-from spectrain.heads.llama_cpp import read_metadata, write_draft_gguf, write_verifier_gguf
+from spectrain.heads.serving.formats import import_drafter, method_of
+from spectrain.heads.serving.gguf import write_draft_gguf
+from spectrain.heads.serving.llama_cpp import read_metadata, write_verifier_gguf
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, resolve_verifier
 
@@ -229,7 +230,7 @@ def run(args, command: str = "") -> Path:
             info.update(probe_predicted=ours[name]["accepted_per_prompt"], probe_min_margin=ours[name]["min_margin"])
         # a parting's margin against what the two paths' kernels measurably differ by: a margin difference
         # between two tokens can reach twice the largest difference of one token's log-probability
-        spread = kernel_spread(plain_runs, runs, eos)
+        spread = path_spread(plain_runs, runs, eos)
         near_tie = max(args.near_tie, min(2 * spread, args.near_tie_max)) if spread is not None else args.near_tie
         info = {**info, "kernel_spread": spread, "near_tie_used": near_tie, "near_tie_max": args.near_tie_max}
         ok, note, found = llama_cpp_verdict(info, plain, spec, counts, ours[name], args.tolerance, token, k, parted,

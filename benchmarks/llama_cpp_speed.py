@@ -60,8 +60,8 @@ from spectrain.eval.llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, bin
 from spectrain.eval.llama_cpp_timing import (forward_costs, resummarize, round_cost_table, round_costs, round_split,
                                              summarize)
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.export_cli import target_gguf_for
-from spectrain.heads.llama_cpp import write_verifier_gguf
+from spectrain.heads.serving.cli import target_gguf_for
+from spectrain.heads.serving.llama_cpp import write_verifier_gguf
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_tokenizer, resolve_verifier
 

@@ -30,7 +30,7 @@ import torch
 from spectrain.eval.model_card import (card_text, eval_rows, fmt, llama_cpp_facts, refresh_card, ship_gguf,
                                        speed_facts)
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.formats import FORMATS, check_format_for, export_drafter, import_drafter, method_of, weights_file
+from spectrain.heads.serving.formats import FORMATS, check_format_for, export_drafter, import_drafter, method_of, weights_file
 from spectrain.heads.io import atomic_dir, read_json, write_json
 from spectrain.heads.report import finish, format_table
 

@@ -5,7 +5,7 @@
 A random-weight verifier shaped like SmolLM2-135M-Instruct (hidden 576, 30 layers, 9/3 heads, vocabulary
 49,152, tied embeddings) trains every registered drafter method that has a SmolLM2 recipe
 (``configs/<method>_smollm2.yaml``) in both trees (``--methods``: some of them), each through its family's
-training module (the family table's ``train_module``) with each side's recipe, batch 4 x 512, online (text blocks
+training module (its recipe's ``model.class_path``) with each side's recipe, batch 4 x 512, online (text blocks
 through the verifier) and from a hidden-state store (variable-length rows of 64-512 tokens, as chat data is, holding
 the verifier layers any of the drafters reads), through Lightning's real ``Trainer.fit`` (precision plugin,
 clipping, fused AdamW). ``spectrain-extract``'s ``extract()`` is timed on the same rows. "old" is the library at

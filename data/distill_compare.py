@@ -8,6 +8,7 @@ What a parting means is judged in :mod:`spectrain.data.engine` (``first_parting`
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,20 +31,27 @@ class Comparison:
     batch_size: int
 
 
-def distill_args(c: Comparison, out: Path, server: str | None = None, in_flight: int = 1, extra=()) -> list[str]:
-    """spectrain-distill's arguments for one timed run writing ``out`` (through ``server`` with ``in_flight``
-    requests where given, else the local loop); an earlier run's output is removed first (it would resume)."""
+def distill_args(c: Comparison, out: Path, server: str | None = None, in_flight: int = 1,
+                 **changes) -> argparse.Namespace:
+    """spectrain-distill's settings for one timed run writing ``out`` (through ``server`` with ``in_flight``
+    requests where given, else the local loop): its defaults with the comparison's values and ``changes``; an
+    earlier run's output is removed first (it would resume)."""
     for stale in (out, out.with_name(out.name + ".meta.json"), out.with_name(out.name + ".summary.json")):
         stale.unlink(missing_ok=True)
-    argv = ["--verifier", c.verifier, "--data", *c.data, "--limit", str(c.limit), "--max_turns", "1",
-            "--max_new_tokens", str(c.max_new_tokens), "--dtype", "float32", "--device", "cpu", "--out", str(out),
-            "--batch_size", str(c.batch_size)]
-    return argv + (["--server", server, "--in_flight", str(in_flight)] if server else []) + list(extra)
+    args = distill_mod.parse_args([])  # every flag at its default
+    unknown = sorted(set(changes) - set(vars(args)))
+    if unknown:
+        raise SpectrainError(f"spectrain-distill has no setting {unknown}")
+    vars(args).update(verifier=c.verifier, data=list(c.data), limit=c.limit, max_turns=1,
+                      max_new_tokens=c.max_new_tokens, dtype="float32", device="cpu", out=str(out),
+                      batch_size=c.batch_size, **({"server": [server], "in_flight": in_flight} if server else {}),
+                      **changes)
+    return args
 
 
-def timed_distill(argv: list[str]) -> float:
+def timed_distill(args: argparse.Namespace) -> float:
     """Generated tokens/s of one spectrain-distill run (its summary's own count and seconds)."""
-    summary = json.loads(distill_mod.run(distill_mod.parse_args(argv)).read_text())
+    summary = json.loads(distill_mod.run(args).read_text())
     return summary["generated_tokens"] / max(summary["seconds"], 1e-9)
 
 
@@ -89,7 +97,7 @@ def check_against(c: Comparison, url: str, out_dir: Path) -> dict:
     ``out_dir``): passed, or caught with its message."""
     probe = Path(out_dir) / f"check-{url.rsplit(':', 1)[1]}.jsonl"
     try:
-        distill_mod.run(distill_mod.parse_args(distill_args(c, probe, url, 1) + ["--limit", "1"]))
+        distill_mod.run(distill_args(c, probe, url, 1, limit=1))
         return {"outcome": "passed"}
     except SpectrainError as e:
         return {"outcome": "caught", "message": str(e)}

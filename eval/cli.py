@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.families import OUR_FORMAT
-from spectrain.heads.formats import input_format
+from spectrain.heads.serving.registry import OUR_FORMAT
+from spectrain.heads.serving.formats import input_format
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.precision import resolve_dtype
 from spectrain.heads.verifier import load_verifier
@@ -27,7 +27,7 @@ from .families import families_with
 from .methods import EvalMethod, all_methods, method_named, methods
 from .plots import write_plots
 from .prompts import BUNDLED, load_prompts
-from .settings import TreeKind, parse_dynamic_tree
+from .settings import TreeKind
 
 
 def families_that(wants) -> str:
@@ -116,7 +116,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-dynamic_tree = parse_dynamic_tree  # ``"DEPTH,TOPK,BUDGET"`` -> a tuple (None stays None); benchmarks parse with it
 
 
 def named_values(specs: list[str], flag: str) -> dict[str, str]:
@@ -170,12 +169,12 @@ def evaluate(args: argparse.Namespace, command: str | None = None) -> Path:
     verifier = load_verifier(args.verifier, dtype=dtype, **load)
     prompts = load_prompts(args.prompts, args.num_prompts, verifier.tokenizer, args.prompt_tokens,
                            first_turns=args.first_turns, spread=args.spread)
-    drafter = draft_model = None
+    drafter = None
     if method.needs_drafter:
         drafter = load_drafter(args.drafter, verifier, args.method, args.allow_verifier_mismatch, args.drafter_format)
     if method.needs_draft_model:
-        draft_model = load_draft_model(args.draft_model, verifier, args.device)
-    result = evaluate_drafter(verifier, prompts, method, settings, drafter=drafter, draft_model=draft_model)
+        drafter = load_draft_model(args.draft_model, verifier, args.device)
+    result = evaluate_drafter(verifier, prompts, method, settings, drafter=drafter)
     out_dir = Path(args.out or f"runs/eval/{args.method}-{Path(args.verifier.replace(':', '-')).name}")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"command": command or "spectrain-eval", "verifier": args.verifier, "drafter": args.drafter,

@@ -25,7 +25,7 @@ from spectrain.heads.verifier import drafter_embedding
 
 from .accept import sample, target_probs
 from .drafters import DraftState, Drafter, Proposal, check_draft_vocab, grow_dynamic_tree
-from .families import FamilyEvaluator, check_min_confidence_value
+from .family_evaluator import FamilyEvaluator, check_min_confidence_value, register_evaluator
 from .tree import Tree
 
 
@@ -254,3 +254,4 @@ DFLASH = FamilyEvaluator(build=_dflash_drafter, static_trees=False, dynamic_tree
                          confidence_hint="DSpark's: train a dflash drafter with --model.confidence_head true",
                          max_depth=lambda drafter: drafter.config.drafts,
                          capture=lambda drafter: drafter.config.capture_ids)
+register_evaluator("dflash", DFLASH)

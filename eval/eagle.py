@@ -15,7 +15,7 @@ from spectrain.heads.verifier import drafter_embedding
 
 from .accept import sample, target_probs
 from .drafters import DraftState, Drafter, Proposal, check_draft_vocab, grow_dynamic_tree
-from .families import FamilyEvaluator
+from .family_evaluator import FamilyEvaluator, register_evaluator
 from .tree import Tree
 
 
@@ -249,3 +249,4 @@ EAGLE = FamilyEvaluator(build=_eagle_drafter, dynamic_trees=True,
                                         for method, tau, verifier in (("EAGLE-2", 4.8, "Vicuna-13B"),
                                                                       ("EAGLE-3", 6.6, "Vicuna-13B"),
                                                                       ("EAGLE-3", 6.1, "Llama-3.1-8B"))))
+register_evaluator("eagle", EAGLE)

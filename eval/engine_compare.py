@@ -93,7 +93,7 @@ def partings(plain_runs: list[dict], spec_runs: list[dict], prompt_ids: list[lis
     return out
 
 
-def kernel_spread(plain_runs: list[dict], spec_runs: list[dict], eos: set[int]) -> float | None:
+def path_spread(plain_runs: list[dict], spec_runs: list[dict], eos: set[int]) -> float | None:
     """How far llama.cpp's two paths disagree in this run: the largest difference between the plain (1-row) and
     the speculative (batched verify) path's log-probability of the same token at the same position, over every
     position both paths scored with the same context (up to and including a prompt's first parting; accepted

@@ -22,10 +22,10 @@ import torch
 from spectrain.eval.layer_probe import shifted_layers
 from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
-from spectrain.heads.eagle_gguf import ARCH
+from spectrain.heads.serving.eagle_gguf import ARCH
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.io import read_json, write_json
-from spectrain.heads.llama_cpp import read_metadata, write_gguf
+from spectrain.heads.serving.llama_cpp import read_metadata, write_gguf
 from spectrain.heads.medusa import MedusaHeads
 
 

@@ -42,8 +42,7 @@ __all__ = ["EvalResult", "EvalSettings", "evaluate_drafter", "load_drafter"]
 
 def evaluate_drafter(verifier: Verifier, prompts: list[list[str]],
                      drafter_or_method: EvalMethod | str | torch.nn.Module, settings: EvalSettings | None = None,
-                     *, drafter: torch.nn.Module | None = None, draft_model: torch.nn.Module | None = None,
-                     reference: list[dict] | None = None) -> EvalResult:
+                     *, drafter: torch.nn.Module | None = None, reference: list[dict] | None = None) -> EvalResult:
     """Decode ``prompts`` with AR and with every drafting setting ``settings`` names; measure τ, α, speed.
 
     Args:
@@ -53,13 +52,13 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]],
             lists of str.
         drafter_or_method: what drafts: a learned drafter (:func:`load_drafter`; its family's method, the family
             found from it), or a method (:func:`methods`: a name or an :class:`EvalMethod`) — a family's name,
-            ``ngram`` (prompt lookup), ``hybrid`` (prompt lookup + ``drafter``), ``draft-model`` (``draft_model``),
+            ``ngram`` (prompt lookup), ``hybrid`` (prompt lookup + ``drafter``), ``draft-model`` (``drafter``: a small causal LM),
             ``truncated`` (the verifier's first ``settings.draft_layers`` layers) or ``none`` (AR only).
         settings: every decoding and measurement knob (:class:`EvalSettings`, checked when made; None: its
             defaults, a chain of 4 at T = 0): ``k`` → setting ``chain-k``, ``tree`` → ``tree-N``, ``dynamic_tree``
             → ``dynamic-DxT-B``. The method refuses what it does not draft (:meth:`EvalMethod.check`).
-        drafter: the learned drafter of a method given by name that drafts with one (a family's, ``hybrid``).
-        draft_model: a causal LM with the verifier's vocabulary, for ``draft-model``.
+        drafter: what a method given by name drafts with: its learned drafter (a family's, ``hybrid``) or, for
+            ``draft-model``, a causal LM with the verifier's vocabulary.
         reference: AR records of these prompts from an earlier call (``result.per_prompt["ar"]``, one dict per
             prompt with its ``turns``): reused instead of decoding AR again.
 
@@ -71,12 +70,13 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]],
     if not isinstance(s, EvalSettings):
         raise SpectrainError(f"settings must be an EvalSettings, got {type(s).__name__}")
     method, learned = resolve_method(drafter_or_method, drafter)
+    # draft-model's drafter is a causal LM, no learned drafter of a family
+    learned, draft_model = (None, learned) if method.needs_draft_model else (learned, None)
     bound = bind_learned(method, learned)  # the family and its evaluator, once (another family's drafter: refused)
     s = method.check(s, bound)  # what the method (and its drafter's family) drafts
-    if method.needs_draft_model and draft_model is None:
-        raise SpectrainError(f"method {method.name} needs a draft_model")
-    if draft_model is not None and not method.needs_draft_model:
-        raise SpectrainError(f"method {method.name} takes no draft_model")
+    if method.needs_draft_model and not callable(getattr(draft_model, "get_output_embeddings", None)):
+        raise SpectrainError(f"method {method.name} needs a drafter: a causal LM with the verifier's vocabulary"
+                             f"{'' if draft_model is None else f', got a {type(draft_model).__name__}'}")
     if not prompts or not all(isinstance(p, (list, tuple)) and p and all(isinstance(t, str) for t in p)
                               for p in prompts):
         raise SpectrainError("prompts must be a non-empty list of prompts, each a non-empty list of user turns (str)")

@@ -1,9 +1,9 @@
 """How the evaluator drafts with each registered drafter family (:mod:`spectrain.heads.families`).
 
-A family's record names its :class:`FamilyEvaluator` by dotted path (``evaluator="package.module:NAME"``); the
-evaluator, ``spectrain-eval``'s method list and ``spectrain-results`` read it through :func:`evaluator_of`, and
-one evaluation resolves it once into a :class:`BoundDrafter`. Each bundled family's evaluator lives in its own
-eval file beside its drafters; a new family's may live anywhere (its own module, a test, another package).
+Each family registers its :class:`~.family_evaluator.FamilyEvaluator` under its name (the bundled ones in their
+eval files, imported here; a plugin's with its family); the evaluator, ``spectrain-eval``'s method list and
+``spectrain-results`` read it through :func:`evaluator_of`, and one evaluation resolves it once into a
+:class:`BoundDrafter`.
 """
 
 from __future__ import annotations
@@ -14,69 +14,17 @@ from typing import Any, Callable
 import torch
 
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.families import DrafterFamily, families, family_of, resolve
+from spectrain.heads.families import DrafterFamily, families, family_of
 
+from . import dflash, eagle, medusa  # noqa: F401  the bundled families' evaluators (BUNDLED_FAMILIES' names)
 from .drafters import Drafter
-
-
-def _unbounded(learned) -> int | None:
-    return None
-
-
-@dataclass(frozen=True)
-class FamilyEvaluator:
-    """The evaluator's side of a drafter family.
-
-    Attributes:
-        build: ``build(learned, model, tree, *, dynamic=None, vocab=None) -> Drafter``: the decoding drafter over
-            the learned module ``learned`` for the verifier's HF ``model``: drafting ``tree`` (a chain or a static
-            rank-path :class:`~.tree.Tree`), or with ``dynamic=(depth, topk, budget)`` a dynamic tree
-            grown each round (``tree`` is then its depth chain); ``vocab`` (N,) target ids of a ranked draft
-            vocabulary, or None for the drafter's own head.
-        static_trees: it drafts static rank-path trees (else chains only).
-        dynamic_trees: it grows dynamic trees (``--dynamic_tree``; the results table's tree rows).
-        dynamic_tree_name: how the results table's rows name the dynamic tree it grows (their ``tree``).
-        calibrate: ``calibrate(learned, runner, sequences, starts, *, temperature, decoding) -> dict`` for a
-            drafter whose heads draft every depth at once by rank: its rank accuracies measured teacher-forced on
-            AR's outputs (``"rank_accuracy"`` (depth, rank), beside whatever else it measures), so ``--tree auto:N``
-            builds the best N-node static tree from them, the planner prices trees of every size and the results
-            table's tree rows use them when it grows no dynamic tree. None: no rank trees.
-        max_depth: ``learned`` -> the deepest tree or chain it drafts (a head count, a block's slots), None =
-            unbounded.
-        capture: ``learned`` -> the HF ``hidden_states`` ids its decoding drafter reads besides the last hidden
-            state (fused layers, a block drafter's target layers; the verifier keeps them every forward).
-        confidence: ``learned`` -> whether its chains can verify fewer drafts per round by a confidence head
-            (``build`` then takes ``min_confidence``).
-        confidence_hint: how a drafter of the family gets a confidence head (named when one without is asked for
-            ``--min_confidence``); empty for families that have none.
-        fixed_draft_vocab: ``(learned, requested) -> N or None``: the size of a draft vocabulary the drafter was
-            trained with and always drafts over (refusing a ``requested`` ``--draft_vocab`` with its own message);
-            None: a ranked draft vocabulary from its ``vocab_ranking.json`` applies.
-        published: figures the family's papers report (``method``, ``tau``, ``verifier``, ``bench``,
-            ``drafting``), shown beside ours by ``spectrain-results`` (their setting differs and the table says so).
-    """
-
-    build: Callable[..., Drafter]
-    static_trees: bool = True
-    dynamic_trees: bool = False
-    dynamic_tree_name: str = "dynamic"
-    calibrate: Callable[..., dict] | None = None
-    max_depth: Callable[[Any], int | None] = _unbounded
-    capture: Callable[[Any], tuple[int, ...]] = lambda learned: ()
-    confidence: Callable[[Any], bool] = lambda learned: False
-    confidence_hint: str = ""
-    fixed_draft_vocab: Callable[[Any, int | None], int | None] = lambda learned, requested: None
-    published: tuple[dict, ...] = ()
-
-    @property
-    def rank_trees(self) -> bool:
-        """Its heads' rank accuracies are measured (:attr:`calibrate`), so static trees are built from them."""
-        return self.calibrate is not None
+from .family_evaluator import FamilyEvaluator, registered_evaluator
 
 
 def evaluator_of(family: DrafterFamily) -> FamilyEvaluator:
-    evaluator = resolve(family.evaluator) if family.evaluator is not None else None
-    if not isinstance(evaluator, FamilyEvaluator):
+    families()  # the installed packages' families, and the evaluators their modules register
+    evaluator = registered_evaluator(family.name)
+    if evaluator is None:
         raise SpectrainError(f"drafter family {family.name} registered no evaluator (a FamilyEvaluator), so it "
                              "cannot be decoded")
     return evaluator
@@ -146,8 +94,8 @@ def bind(learned) -> BoundDrafter:
 def families_with(test: Callable[[FamilyEvaluator], bool]) -> list[DrafterFamily]:
     """The registered families whose evaluator passes ``test`` (a family registered without one is skipped): what
     a message lists as the drafters that can do something."""
-    found = [(f, resolve(f.evaluator)) for f in families() if f.evaluator is not None]
-    return [f for f, e in found if isinstance(e, FamilyEvaluator) and test(e)]
+    found = [(f, registered_evaluator(f.name)) for f in families()]
+    return [f for f, e in found if e is not None and test(e)]
 
 
 def _evaluators() -> list[FamilyEvaluator]:
@@ -160,13 +108,6 @@ def learned_drafter(learned, model, tree, dynamic: tuple[int, int, int] | None =
     """The decoding drafter over a learned module of any registered family (:meth:`BoundDrafter.drafter`);
     ``vocab`` (N,) target ids of a ranked draft vocabulary, or None for its own head."""
     return bind(learned).with_vocab(vocab, None).drafter(model, tree, dynamic, min_confidence)
-
-
-def check_min_confidence_value(min_confidence) -> None:
-    """``min_confidence`` is 0 (verify every draft) or a probability in (0, 1)."""
-    if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)) or not 0 <= min_confidence < 1:
-        raise SpectrainError(f"--min_confidence is a probability in [0, 1) (0: verify every draft), got "
-                             f"{min_confidence!r}")
 
 
 def check_confidence(learned) -> None:

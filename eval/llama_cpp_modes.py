@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.export_cli import target_gguf_for
-from spectrain.heads.formats import import_drafter, method_of
-from spectrain.heads.llama_cpp import gguf_export_of, gguf_exports, read_metadata, write_draft_gguf
+from spectrain.heads.serving.cli import target_gguf_for
+from spectrain.heads.serving.formats import import_drafter, method_of
+from spectrain.heads.serving.gguf import gguf_export_of, gguf_exports, write_draft_gguf
+from spectrain.heads.serving.llama_cpp import read_metadata
 
 NGRAM_MODES = ("ngram-simple", "ngram-mod", "ngram-map-k")
 # ngram-mod keeps one hash pool across all requests of a server: with repeats, the second repeat would draft the

@@ -20,7 +20,7 @@ from spectrain.heads.medusa import MedusaHeads
 
 from .accept import Sampling, target_probs
 from .drafters import DraftState, Drafter, Proposal, check_draft_vocab
-from .families import FamilyEvaluator
+from .family_evaluator import FamilyEvaluator, register_evaluator
 from .static_model import StaticCausalLM
 from .tree import Tree
 
@@ -154,3 +154,4 @@ def _calibrate(heads, runner: StaticCausalLM, sequences: list[list[int]], start_
 MEDUSA = FamilyEvaluator(build=_medusa_drafter, calibrate=_calibrate, max_depth=lambda heads: heads.config.num_heads,
                          published=({"method": "Medusa-1", "tau": 2.3, "verifier": "Vicuna-7B", "bench": "Spec-Bench",
                                      "drafting": "~60-node static tree"},))
+register_evaluator("medusa", MEDUSA)

@@ -20,11 +20,11 @@ from pathlib import Path
 from spectrain.eval.decode_dtype import cpu_line
 from spectrain.eval.llama_cpp_modes import mode_of, run_p_min
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.export_cli import target_gguf_for
+from spectrain.heads.serving.cli import target_gguf_for
 from spectrain.heads.families import family_for_method
-from spectrain.heads.formats import import_drafter
+from spectrain.heads.serving.formats import import_drafter
 from spectrain.heads.io import read_json, write_json
-from spectrain.heads.llama_cpp import gguf_export_of, spec_type_of, write_draft_gguf
+from spectrain.heads.serving.gguf import gguf_export_of, spec_type_of, write_draft_gguf
 from spectrain.heads.report import finish, format_table
 
 

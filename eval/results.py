@@ -37,9 +37,10 @@ from typing import Any, NamedTuple
 import torch
 
 from spectrain.heads.errors import SpectrainError, run_command
-from spectrain.heads.families import OUR_FORMAT, family_of
+from spectrain.heads.families import family_of
+from spectrain.heads.serving.registry import OUR_FORMAT
 from spectrain.heads.io import read_json, sha256_files, write_json
-from spectrain.heads.formats import detect_format
+from spectrain.heads.serving.formats import detect_format
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.precision import resolve_dtype
 from spectrain.heads.verifier import load_verifier, max_context

@@ -12,7 +12,7 @@ from spectrain.heads.errors import SpectrainError
 
 from .accept import Sampling
 from .drafters import check_min_match
-from .families import check_min_confidence_value
+from .family_evaluator import check_min_confidence_value
 from .static_model import PATHS
 from .tree import Tree
 

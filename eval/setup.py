@@ -11,7 +11,7 @@ import torch
 
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.families import family_of
-from spectrain.heads.formats import import_drafter, recorded_verifier
+from spectrain.heads.serving.formats import import_drafter, recorded_verifier
 from spectrain.heads.verifier import Verifier, match_verifier
 from spectrain.heads.vocab import load_ranking
 
@@ -122,12 +122,3 @@ def draft_vocab_of(bound: BoundDrafter, draft_vocab: int | None, vocab_size: int
                                  "write one with spectrain-rank-vocab")
         ids = ranking.ids(draft_vocab)
     return ids, vocab_size if ids is None else ids.numel()
-
-
-def learned_kind(method: str, learned) -> str:
-    """The learned drafter's kind behind ``method``: a family's method's family, the family of the drafter a
-    method that drafts beside one was given (hybrid), else the method itself."""
-    found = method_named(method)
-    if found.family is not None or not found.needs_drafter:
-        return found.name
-    return family_of(learned).name

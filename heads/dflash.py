@@ -371,7 +371,4 @@ def without_confidence_head(drafter: DFlashDrafter) -> DFlashDrafter:
 register_family(DrafterFamily(
     name="dflash", methods=METHODS, drafter_class=DFlashDrafter, config_class=DFlashConfig, label="DFlash",
     method_labels=("DFlash", "DSpark"),
-    formats="spectrain.heads.dflash_formats:DFLASH_FORMATS", train_module="spectrain.train.dflash:DFlashModule",
-    evaluator="spectrain.eval.dflash:DFLASH",
-    verifier_depth_key="verifier_layers",  # its own num_hidden_layers is the drafter's depth
-    gguf="spectrain.heads.dflash_gguf:DFLASH_GGUF", without_confidence_head=without_confidence_head))
+    verifier_depth_key="verifier_layers"))  # its own num_hidden_layers is the drafter's depth

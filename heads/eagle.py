@@ -600,6 +600,4 @@ def _check_verifier(config: EagleConfig, verifier_model, where: str) -> None:
 
 register_family(DrafterFamily(
     name="eagle", methods=VARIANTS, drafter_class=EagleDrafter, config_class=EagleConfig, label="EAGLE",
-    method_labels=("EAGLE-1", "EAGLE-3"), verifier_depth_key="num_hidden_layers",  # the verifier's: aux-layer range
-    formats="spectrain.heads.eagle_formats:EAGLE_FORMATS", train_module="spectrain.train.eagle:EagleModule",
-    evaluator="spectrain.eval.eagle:EAGLE", gguf="spectrain.heads.eagle_formats:EAGLE_GGUF"))
+    method_labels=("EAGLE-1", "EAGLE-3"), verifier_depth_key="num_hidden_layers"))  # the verifier's: aux-layer range

@@ -1,100 +1,31 @@
 """The drafter families: one :class:`DrafterFamily` record per family, registered by one call.
 
-A family is one module (or a few beside it: its serving formats) — its ``nn.Module`` drafter with ``config``,
-``save_pretrained`` and ``from_pretrained`` — that ends with the one registration line::
+A family's drafter is one module (``heads/<family>.py``): its ``nn.Module`` with ``config``, ``save_pretrained`` and
+``from_pretrained``, ending with the one registration line::
 
     register_family(DrafterFamily(name="mtp", methods=("mtp",), drafter_class=MtpHead, ...))
 
-The bundled families are imported from :data:`BUNDLED_FAMILIES`; a family in another installed package is found
-through the ``spectrain.families`` entry-point group (:func:`families`), so it reaches every CLI, the evaluator,
-export and import with no file of spectrain's changed.
+Each layer above registers its own half of the family under the same name, in a module of its own that imports
+this one (never the other way, so ``heads/`` imports neither ``train/`` nor ``eval/``):
 
-Everything that would switch on a family asks this table instead: importing a run dir or an export
-(``heads/formats.py``), the serving formats and their detection, the evaluator's drafters (``eval/``), the results
-table's label, FSDP's drafter units (``train/strategies.py``) and measured τ at validation. A drafter, method
-or format no family registered is a :class:`SpectrainError` everywhere, never another family's path.
+- serving formats and the llama.cpp file: ``heads/serving/<family>.py`` -> :func:`~.serving.registry.register_serving`;
+- the evaluator's drafting: ``eval/<family>.py`` -> :func:`spectrain.eval.family_evaluator.register_evaluator`;
+- training: the recipe's ``model.class_path`` names the family's ``DrafterModule`` (``train/<family>.py``).
 
-``heads/`` imports neither ``train/`` nor ``eval/``: the training module and the evaluator are named here by
-dotted path (``"package.module:attribute"``) and imported by whoever uses them (:func:`resolve`); a family
-defined outside the package (a test, a plugin) may pass the objects themselves.
+The bundled families are :data:`BUNDLED_FAMILIES`; each layer's lookup imports its bundled halves by those names
+(``tests/test_families.py`` holds every layer's list to this one). A family in another installed package is found
+through the ``spectrain.families`` entry-point group (:func:`families`): the module the entry point names registers
+its family and whatever halves it has, so it reaches every CLI, the evaluator, export and import with no file of
+spectrain's changed. A drafter or method no family registered is a :class:`SpectrainError` everywhere, never
+another family's path.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
 
 from .errors import SpectrainError
-
-Ref = Any  # an object, or a "package.module:attribute" string naming one (imported on first use)
-
-
-@dataclass(frozen=True)
-class ServingFormat:
-    """One checkpoint layout a serving engine (or a peer toolkit) loads, and how to write and read it.
-
-    Attributes:
-        name: the ``spectrain-export --format`` name.
-        description: the engine and layout, for ``--help`` and summaries.
-        method: the drafter method it holds (one of its family's ``methods``).
-        detect: ``config.json`` dict -> whether a directory holds this format. ``detect_format`` asks every
-            registered format and exactly one must say yes (two are an error naming both), so a predicate should
-            rest on exact keys (``speculators_model_type``, ``architectures``) and refuse its own family's other
-            layouts, never guess from shapes.
-        export: ``(drafter, fmt, verifier_lm_head, verifier_name, speculative_tokens, notes)`` ->
-            ``(config.json dict, {tensor name: tensor})``; ``notes`` (a list) collects what the user should know.
-        load: ``(fmt, config, tensors, ours, verifier_model, path)`` -> the drafter module; ``ours`` is the
-            ``"spectrain"`` block our exports add to ``config.json`` ({} in a foreign checkpoint).
-        expected: ``(fmt, config)`` -> {tensor name: shape} the engine's loader reads for that ``config.json``
-            (the strict check every export and import passes: nothing missing, nothing extra).
-        weights_file: the safetensors file inside the directory.
-        optional: ``(fmt, config)`` -> {tensor name: shape} the engine accepts but does not need (allowed by
-            ``validate_export`` when their shape is right), or None.
-        check: ``(fmt, config, found, clean)`` -> [problem, ...]: the format's own checks of a written export
-            beyond names and shapes; ``found`` is {tensor name: (shape, safetensors dtype)}, ``clean`` whether
-            the names and shapes passed. None: no more checks.
-        extras: ``(drafter, fmt, config, ranking, notes)`` -> [writer(directory), ...]: files a format writes
-            beside the weights for a drafter with a vocabulary ranking (``ranking``: :class:`~.vocab.Ranking`);
-            it may add to ``config`` and ``notes``. None: nothing.
-        pickled_weights: the pickle the reference toolkit ships instead of ``weights_file`` (refused on import,
-            with how to convert it), or "".
-    """
-
-    name: str
-    description: str
-    method: str
-    detect: Ref
-    export: Ref
-    load: Ref
-    expected: Ref
-    weights_file: str = "model.safetensors"
-    optional: Ref = None
-    check: Ref = None
-    extras: Ref = None
-    pickled_weights: str = ""
-
-
-@dataclass(frozen=True)
-class GgufExport:
-    """How ``spectrain-export --format gguf`` writes a family's drafter as one llama.cpp file.
-
-    Attributes:
-        check_target: ``(drafter, target_gguf)`` -> None; raises unless the target GGUF (the verifier the draft is
-            served beside) fits the drafter.
-        write: ``(drafter, out, target_gguf, dtype, force, verifier_name)`` -> the ``llama-server`` flags that
-            serve the written file (``"--spec-type draft-NAME"``).
-        drafters: how ``--help`` names the drafters it writes, one per llama.cpp architecture.
-        spec_types: the ``--spec-type`` of each of them, in the same order.
-        check_exportable: ``(drafter)`` -> None; raises, naming the reason, unless llama.cpp can serve the drafter
-            exactly as trained (asked before anything is written). None: every drafter of the family can be.
-    """
-
-    check_target: Ref
-    write: Ref
-    drafters: tuple[str, ...] = ()
-    spec_types: tuple[str, ...] = ()
-    check_exportable: Ref = None
 
 
 @dataclass(frozen=True)
@@ -112,18 +43,8 @@ class DrafterFamily:
         config_class: its config dataclass (``drafter_class(config)`` builds an untrained drafter).
         label: how tables and messages name the family (default ``name``).
         method_labels: how messages name each of its methods, in ``methods`` order (default: ``label`` for each).
-        formats: the serving formats it exports and imports: a tuple of :class:`ServingFormat`, or the dotted
-            path of one (each bundled family's live beside its model: ``heads/<family>_formats.py`` or its module).
-        train_module: its training ``LightningModule`` (a ``DrafterModule`` subclass), by dotted path.
-        evaluator: its :class:`spectrain.eval.families.FamilyEvaluator` (how the evaluator drafts with it), by
-            dotted path.
         verifier_depth_key: the key of our run-dir ``config.json`` that records the verifier's depth (what
             ``recorded_verifier`` reads), or None (the default) when the drafter does not record it.
-        gguf: its :class:`GgufExport` (``spectrain-export --format gguf``), or None.
-        without_confidence_head: ``drafter`` -> the drafter less a confidence head that never changes its drafts
-            (``spectrain-export --drop_confidence_head``), or None.
-        exports_need_verifier_head: ``drafter`` -> whether writing it needs the verifier's ``lm_head`` (heads
-            that project through it; ``spectrain-export`` then loads the verifier), or None (never).
     """
 
     name: str
@@ -132,13 +53,7 @@ class DrafterFamily:
     config_class: type
     label: str = ""
     method_labels: tuple[str, ...] = ()
-    formats: Ref = ()
-    train_module: Ref = None
-    evaluator: Ref = None
     verifier_depth_key: str | None = None
-    gguf: Ref = None
-    without_confidence_head: Ref = None
-    exports_need_verifier_head: Ref = None
 
     def __post_init__(self):
         object.__setattr__(self, "methods", tuple(self.methods))
@@ -150,15 +65,6 @@ class DrafterFamily:
         if len(self.method_labels) != len(self.methods):
             raise SpectrainError(f"family {self.name}: {len(self.method_labels)} method_labels for "
                                  f"{len(self.methods)} methods")
-
-    def serving_formats(self) -> tuple[ServingFormat, ...]:
-        """Its serving formats (imported on first use when named by dotted path)."""
-        formats = tuple(resolve(self.formats))
-        foreign = [f.name for f in formats if f.method not in self.methods]
-        if foreign:
-            raise SpectrainError(f"family {self.name}: formats {foreign} hold methods it does not have "
-                                 f"({', '.join(self.methods)})")
-        return formats
 
     def from_pretrained(self, path, verifier_model=None):
         """A drafter of this family from our run-dir format."""
@@ -172,10 +78,7 @@ BUNDLED_FAMILIES = ("spectrain.heads.medusa", "spectrain.heads.eagle", "spectrai
 ENTRY_POINT_GROUP = "spectrain.families"  # an installed package's families (pyproject [project.entry-points])
 # The evaluator's methods that are no learned drafter (AR, prompt lookup, ...; registered in eval/training_free.py):
 # no family may take these names, or `spectrain-eval --method` would mean two things.
-RESERVED_METHODS = ("ar", "ngram", "hybrid", "draft-model", "truncated", "none")
-OUR_FORMAT = "spectrain"  # our own run-dir format's name (detect_format); no serving format may take it
-GGUF_FORMAT = "gguf"  # spectrain-export's llama.cpp file (a family's GgufExport writes it); no serving format either
-RESERVED_FORMATS = {OUR_FORMAT: "our own run-dir format's", GGUF_FORMAT: "spectrain-export's llama.cpp file's"}
+RESERVED_METHODS = ("ar", "ngram", "lookahead", "hybrid", "draft-model", "truncated", "none")
 _loaded = False
 
 
@@ -253,45 +156,13 @@ def method_of(drafter) -> str:
     return method
 
 
-def serving_formats() -> dict[str, ServingFormat]:
-    """Every registered serving format by name, family by family (in registration order: detection's order)."""
-    out: dict[str, ServingFormat] = {}
-    for family in families():
-        for spec in family.serving_formats():
-            if spec.name in RESERVED_FORMATS:
-                raise SpectrainError(f"family {family.name}: format name {spec.name!r} is "
-                                     f"{RESERVED_FORMATS[spec.name]}")
-            if spec.name in out:
-                raise SpectrainError(f"format {spec.name!r} is registered twice (family {family.name} and "
-                                     f"{family_for_method(out[spec.name].method).name})")
-            out[spec.name] = spec
-    return out
-
-
-def serving_format(name: str) -> ServingFormat:
-    formats = serving_formats()
-    if name not in formats:
-        raise SpectrainError(f"unknown format {name!r}; expected one of {', '.join(sorted(formats))}")
-    return formats[name]
-
-
-def resolve(ref: Ref):
-    """``ref`` itself, or the object a ``"package.module:attribute"`` string names (imported now)."""
-    if not isinstance(ref, str):
-        return ref
-    module, sep, attribute = ref.partition(":")
-    if not sep:
-        raise SpectrainError(f"{ref!r} is not a 'package.module:attribute' path")
-    try:
-        return getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as err:
-        raise SpectrainError(f"cannot import {ref}: {err}") from None
-
-
 def resolve_class_path(class_path: str):
     """The class a recipe's ``model.class_path`` (``package.module.Class``) names, imported now."""
     module, _, name = class_path.rpartition(".")
-    return resolve(f"{module}:{name}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise SpectrainError(f"cannot import {class_path}: {err}") from None
 
 
 def _load_families() -> None:

@@ -147,7 +147,4 @@ class MedusaHeads(nn.Module):
 
 register_family(DrafterFamily(
     name="medusa", methods=("medusa",), drafter_class=MedusaHeads, config_class=MedusaConfig, label="Medusa",
-    verifier_depth_key=None,  # Medusa heads do not record the verifier's depth
-    formats="spectrain.heads.medusa_formats:MEDUSA_FORMATS", train_module="spectrain.train.medusa:MedusaModule",
-    evaluator="spectrain.eval.medusa:MEDUSA",
-    exports_need_verifier_head=lambda heads: heads.config.shared_lm_head))  # they project through the verifier's
+    verifier_depth_key=None))  # Medusa heads do not record the verifier's depth

@@ -188,7 +188,7 @@ def test_medusa_eagle1_and_eagle3_train_and_evaluate_on_the_family(name, saved_f
     """A few Lightning steps of each drafter (measured τ at validation decodes through the family's own layers),
     then the evaluator (T = 0 output equal to AR, τ measured) and the drafter's serving layouts, read back equal."""
     from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
-    from spectrain.heads.formats import export_drafter, import_drafter
+    from spectrain.heads.serving.formats import export_drafter, import_drafter
     from spectrain.heads.verifier import load_verifier
     from spectrain.train.cli import train
     from tests.test_bad_input_matrix import small

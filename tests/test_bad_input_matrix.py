@@ -21,7 +21,7 @@ import torch
 from spectrain.data.datamodule import DrafterDataModule
 from spectrain.data.store import HiddenStateStore, extract
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.formats import export_drafter, import_drafter
+from spectrain.heads.serving.formats import export_drafter, import_drafter
 from spectrain.heads.verifier import load_verifier
 from spectrain.train.cli import train
 

@@ -405,7 +405,7 @@ def test_measure_k_beyond_the_block_is_refused(verifier_factory):
                                     ({"markov_rank": 4, "confidence_head": True, "sample_from_anchor": True},
                                      "speculators-dspark")], ids=["dflash", "dspark"])
 def test_speculators_export_validates_and_imports_back(bigram, tmp_path, kw, fmt):
-    from spectrain.heads.formats import detect_format, export_drafter, import_drafter, recorded_verifier
+    from spectrain.heads.serving.formats import detect_format, export_drafter, import_drafter, recorded_verifier
     from spectrain.heads.io import read_json
 
     model, _ = bigram
@@ -437,8 +437,8 @@ def test_dropping_the_confidence_head_keeps_every_draft_and_exports_dflash(bigra
     speculators-dflash."""
     from spectrain.eval.accept import Sampling
     from spectrain.heads.dflash import without_confidence_head
-    from spectrain.heads.export_cli import main as export_main
-    from spectrain.heads.formats import detect_format, import_drafter
+    from spectrain.heads.serving.cli import main as export_main
+    from spectrain.heads.serving.formats import detect_format, import_drafter
 
     model, _ = bigram
     drafter = drafter_for(model, confidence_head=True)
@@ -495,7 +495,7 @@ def test_dropping_the_confidence_head_keeps_every_draft_and_exports_dflash(bigra
             without_confidence_head(drafter_for(model, **kw))
     with pytest.raises(SpectrainError, match="only a block drafter"):
         without_confidence_head(torch.nn.Linear(2, 2))
-    from spectrain.heads.export_cli import without_confidence_head as dropped_by_the_cli
+    from spectrain.heads.serving.cli import without_confidence_head as dropped_by_the_cli
     from spectrain.heads.medusa import MedusaHeads
 
     with pytest.raises(SpectrainError, match=r"only a block drafter \(DFlash / DSpark\) has a confidence head to "
@@ -514,7 +514,7 @@ def test_a_chain_deeper_than_the_block_is_refused_by_name(bigram):
 
 
 def test_a_from_anchor_drafter_without_dspark_heads_has_no_engine_layout(bigram, tmp_path):
-    from spectrain.heads.formats import export_drafter
+    from spectrain.heads.serving.formats import export_drafter
 
     model, _ = bigram
     with pytest.raises(SpectrainError, match="sample_from_anchor is DSpark's layout"):
@@ -665,7 +665,7 @@ def test_engine_check_dflash_control_drafts_its_token_through_the_mask_slots_onl
     (the layout vLLM gets); filled with another mask token it proposes something else. Its two mistaken exports
     differ from the right one in exactly the field they break."""
     from spectrain.eval.engine_controls import dflash_control, mistaken_export
-    from spectrain.heads.formats import export_drafter, import_drafter
+    from spectrain.heads.serving.formats import export_drafter, import_drafter
     from spectrain.heads.io import read_json
 
     model, _ = bigram

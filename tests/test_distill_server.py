@@ -305,10 +305,14 @@ def test_benchmark_logic(tmp_path):
                    batch_size=32)
     stale = tmp_path / "o.jsonl"
     stale.write_text("{}\n")  # an earlier run's output would be resumed, not timed: removed
-    argv = distill_args(c, stale, "http://x:1", 8, ["--skip_verifier_check"])
-    assert not stale.exists() and argv[argv.index("--batch_size") + 1] == "32"
-    assert argv[argv.index("--server") + 1] == "http://x:1" and argv[argv.index("--in_flight") + 1] == "8"
-    distill_mod.parse_args(argv)  # the distill flags it builds parse
+    args = distill_args(c, stale, "http://x:1", 8, skip_verifier_check=True)
+    assert not stale.exists() and args.batch_size == 32 and args.skip_verifier_check
+    assert args.server == ["http://x:1"] and args.in_flight == 8 and args.out == str(stale)
+    assert vars(args).keys() == vars(distill_mod.parse_args([])).keys()  # spectrain-distill's own settings, no other
+    local = distill_args(c, stale)
+    assert local.server is None and local.max_turns == 1 and local.dtype == "float32"
+    with pytest.raises(SpectrainError, match=r"spectrain-distill has no setting \['no_such'\]"):
+        distill_args(c, stale, no_such=1)
 
 
 def test_benchmark_reads_each_reply_back(tmp_path):

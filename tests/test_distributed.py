@@ -76,7 +76,7 @@ def test_ddp_step_with_a_head_that_has_no_targets(tmp_path, verifier_factory, te
 def test_ddp_syncs_the_drafter_only(verifier_factory):
     """DDP broadcasts what it is not told to ignore, at the start and (buffers) before every forward: never the
     frozen verifier, loaded alike on every rank."""
-    from spectrain.train.base import ddp_ignored_names
+    from spectrain.train.ranks import ddp_ignored_names
     from spectrain.train.eagle import EagleModule
 
     module = EagleModule(variant="eagle3", verifier=str(verifier_factory("llama", False)))
@@ -241,7 +241,7 @@ def _fsdp_worker(rank: int, world: int, store: str, verifier: str, out: str) -> 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from spectrain.train.base import build_optimizer
+    from spectrain.train.optim import build_optimizer
     from spectrain.train.eagle import EagleModule
     from spectrain.train.medusa import MedusaModule
 

@@ -198,7 +198,7 @@ def test_unsorted_aux_layers_on_disk_are_refused_by_name(tmp_path, verifiers):
     """An older checkpoint (or a hand-edited config) with layers out of order fails with the path and the fix, and
     the evaluator's drafter applies the same rule to a config changed after it was built."""
     from spectrain.eval.eagle import EagleChainDrafter
-    from spectrain.heads.formats import import_drafter
+    from spectrain.heads.serving.formats import import_drafter
 
     verifier = verifiers()
     drafter = make_drafter(verifier, "eagle3")

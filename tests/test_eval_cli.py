@@ -91,8 +91,10 @@ def test_the_api_takes_a_loaded_verifier_and_returns_a_result(setup):
         evaluate_drafter(verifier, prompts, "medusa")
     with pytest.raises(SpectrainError, match="method ngram takes no learned drafter"):
         evaluate_drafter(verifier, prompts, "ngram", settings, drafter=heads)
-    with pytest.raises(SpectrainError, match="method draft-model needs a draft_model"):
+    with pytest.raises(SpectrainError, match="method draft-model needs a drafter: a causal LM"):
         evaluate_drafter(verifier, prompts, "draft-model", settings)
+    with pytest.raises(SpectrainError, match="needs a drafter: a causal LM .*, got a MedusaHeads"):
+        evaluate_drafter(verifier, prompts, "draft-model", settings, drafter=heads)
     with pytest.raises(SpectrainError, match="settings must be an EvalSettings"):
         evaluate_drafter(verifier, prompts, heads, {"k": 3})
     ar = evaluate_drafter(verifier, prompts, "none", settings)

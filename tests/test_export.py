@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.formats import (FORMATS, detect_format, export_drafter, import_drafter, validate_export,
+from spectrain.heads.serving.formats import (FORMATS, detect_format, export_drafter, import_drafter, validate_export,
                                      weights_file)
 from spectrain.heads.medusa import MedusaHeads
 from tests.conftest import make_verifier
@@ -241,7 +241,7 @@ def test_foreign_eagle3_without_our_metadata(tmp_path, verifier):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "spectrain.heads.export_cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "spectrain.heads.serving.cli", *map(str, args)],
                           capture_output=True, text=True, timeout=300)
 
 

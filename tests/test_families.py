@@ -1,5 +1,6 @@
-"""Drafter families: a third family defined here, registered by one call, runs train -> evaluate -> export ->
-import with no library edits; and a drafter, method or layer of no registered family is an error everywhere
+"""Drafter families: a fourth family defined here, registered by one call per layer (its drafter, its serving
+formats, its evaluator; its training module is the recipe's class), runs train -> evaluate -> export -> import with no
+library edits; every layer's bundled halves are the bundled families'; and a drafter, method or layer of no registered family is an error everywhere
 (import, the results table, FSDP's units), never another family's path."""
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectrain.eval.drafters import Drafter, Proposal
-from spectrain.eval.families import FamilyEvaluator
+from spectrain.eval.family_evaluator import FamilyEvaluator, register_evaluator, unregister_evaluator
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.families import (DrafterFamily, ServingFormat, family_for_method, family_of, register_family,
-                                      unregister_family)
+from spectrain.heads.families import DrafterFamily, family_for_method, family_of, register_family, unregister_family
+from spectrain.heads.serving.registry import FamilyServing, ServingFormat, register_serving, unregister_serving
 from spectrain.heads.io import load_tensors, read_json, save_tensors, write_json
 from spectrain.train.base import DrafterModule
 
@@ -125,21 +126,46 @@ def _load_flat(fmt, config, tensors, ours, verifier_model, path):
 
 
 BIGRAM = DrafterFamily(
-    name="bigram", methods=("bigram",), drafter_class=BigramHead, config_class=BigramConfig, label="bigram head",
-    formats=(ServingFormat("bigram-flat", "a toy engine's flat layout", "bigram", detect=lambda c: "bigram_hidden" in c,
-                           export=_export_flat, load=_load_flat,
-                           expected=lambda fmt, c: {"head.weight": (c["vocab_size"], c["bigram_hidden"]),
-                                                    "head.bias": (c["vocab_size"],)}),),
-    train_module=BigramModule,
-    evaluator=FamilyEvaluator(build=lambda head, model, tree, dynamic=None, vocab=None: BigramDrafter(
-        head, model, tree, vocab), static_trees=False, max_depth=lambda head: 1))
+    name="bigram", methods=("bigram",), drafter_class=BigramHead, config_class=BigramConfig, label="bigram head")
+BIGRAM_SERVING = FamilyServing("bigram", formats=(
+    ServingFormat("bigram-flat", "a toy engine's flat layout", "bigram", detect=lambda c: "bigram_hidden" in c,
+                  export=_export_flat, load=_load_flat,
+                  expected=lambda fmt, c: {"head.weight": (c["vocab_size"], c["bigram_hidden"]),
+                                           "head.bias": (c["vocab_size"],)}),))
+BIGRAM_EVALUATOR = FamilyEvaluator(build=lambda head, model, tree, dynamic=None, vocab=None: BigramDrafter(
+    head, model, tree, vocab), static_trees=False, max_depth=lambda head: 1)
 
 
 @pytest.fixture
 def bigram_family():
-    register_family(BIGRAM)  # the one registration line
+    register_family(BIGRAM)  # one registration line per layer
+    register_serving(BIGRAM_SERVING)
+    register_evaluator("bigram", BIGRAM_EVALUATOR)
     yield BIGRAM
     unregister_family(BIGRAM.name)
+    unregister_serving(BIGRAM.name)
+    unregister_evaluator(BIGRAM.name)
+
+
+def test_every_layer_loads_the_bundled_families_halves():
+    """Each layer's lookup imports its bundled halves by name (``from . import dflash, eagle, medusa``): the same
+    names as heads/families.py's BUNDLED_FAMILIES, and each registers under its family's name."""
+    import ast
+    import importlib
+
+    from spectrain.eval.family_evaluator import registered_evaluator
+    from spectrain.heads.families import BUNDLED_FAMILIES, families
+    from spectrain.heads.serving.registry import registered_serving
+
+    bundled = {module.rpartition(".")[2] for module in BUNDLED_FAMILIES}
+    for lookup in ("spectrain.eval.families", "spectrain.heads.serving.families"):
+        source = Path(importlib.import_module(lookup).__file__).read_text()
+        imported = {alias.name for node in ast.walk(ast.parse(source))
+                    if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None
+                    for alias in node.names}
+        assert imported == bundled, lookup
+    for family in families():
+        assert registered_evaluator(family.name) is not None and registered_serving(family.name) is not None
 
 
 def _batches(n: int, vocab: int, seed: int) -> list[dict]:
@@ -172,7 +198,7 @@ def train_a_few_steps(module_class, verifier_dir: str, measure_k: int) -> Drafte
 def test_a_family_registered_in_a_test_trains_evaluates_exports_and_imports(bigram_family, verifier_factory, tmp_path):
     from spectrain.eval.cli import parse_args
     from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
-    from spectrain.heads.formats import FORMATS, check_format_for, detect_format, export_drafter, import_drafter
+    from spectrain.heads.serving.formats import FORMATS, check_format_for, detect_format, export_drafter, import_drafter
     from spectrain.heads.verifier import load_verifier
 
     verifier_dir = str(verifier_factory("llama", False))
@@ -243,31 +269,27 @@ def test_registration_refuses_a_taken_name_or_method(bigram_family):
 @pytest.mark.parametrize("name,whose", [("spectrain", "our own run-dir format's"),
                                         ("gguf", "spectrain-export's llama.cpp file's")])
 def test_a_format_may_not_take_a_reserved_name(name, whose):
-    from spectrain.heads.families import ServingFormat, serving_formats, unregister_family
+    from spectrain.heads.serving.families import serving_formats
 
     taken = ServingFormat(name, "a layout under a reserved name", "reserved-probe", detect=lambda c: False,
                           export=None, load=None, expected=None)
-    family = register_family(DrafterFamily(name="reserved-probe", methods=("reserved-probe",),
-                                           drafter_class=nn.Linear, config_class=dict, formats=(taken,)))
-    try:
-        with pytest.raises(SpectrainError, match=f"format name '{name}' is {whose}"):
-            serving_formats()
-    finally:
-        unregister_family(family.name)
-    assert "eagle" in serving_formats()  # the table reads again once it is gone
+    with pytest.raises(SpectrainError, match=f"format name '{name}' is {whose}"):
+        register_serving(FamilyServing("reserved-probe", formats=(taken,)))
+    assert "eagle" in serving_formats() and name not in serving_formats()
 
 
 def test_the_confidence_message_names_each_method_once():
-    from spectrain.heads.export_cli import _dropping
-    from spectrain.heads.families import unregister_family
+    from spectrain.heads.serving.cli import _dropping
 
     assert _dropping() == ["DFlash", "DSpark"]
     family = register_family(DrafterFamily(name="blocky", methods=("blocky-a", "blocky-b"), drafter_class=nn.Linear,
-                                           config_class=dict, without_confidence_head=lambda d: d))
+                                           config_class=dict))
+    register_serving(FamilyServing("blocky", without_confidence_head=lambda d: d))
     try:
         assert _dropping() == ["DFlash", "DSpark", "blocky"]  # two methods, one default label: named once
     finally:
         unregister_family(family.name)
+        unregister_serving(family.name)
 
 
 def test_a_family_records_no_verifier_depth_unless_it_says_where():
@@ -286,7 +308,7 @@ def test_a_family_records_no_verifier_depth_unless_it_says_where():
 def test_import_of_an_unknown_method_is_refused_not_loaded_as_eagle(tmp_path):
     """Our run-dir format with a method no family registered (a plugin's, say): before, any non-Medusa directory
     was handed to EagleDrafter.from_pretrained."""
-    from spectrain.heads.formats import detect_format, import_drafter
+    from spectrain.heads.serving.formats import detect_format, import_drafter
 
     save_tensors(tmp_path / "model.safetensors", {"proj.weight": torch.zeros(4, 4)})
     write_json(tmp_path / "config.json", {"method": "blockdraft", "format_version": 1, "hidden_size": 4})
@@ -296,7 +318,7 @@ def test_import_of_an_unknown_method_is_refused_not_loaded_as_eagle(tmp_path):
 
 
 def test_the_bigram_run_dir_is_refused_once_its_family_is_gone(tmp_path, bigram_family):
-    from spectrain.heads.formats import import_drafter
+    from spectrain.heads.serving.formats import import_drafter
 
     BigramHead(BigramConfig(4, 10)).save_pretrained(tmp_path)
     assert type(import_drafter(tmp_path)) is BigramHead
@@ -383,10 +405,10 @@ def test_fsdp_refuses_a_decoder_layer_of_an_unregistered_drafter():
 
 
 def test_an_unregistered_drafter_is_refused_by_training_and_evaluation():
-    from spectrain.eval.setup import learned_kind
-    from spectrain.heads.formats import method_of
+    from spectrain.eval.methods import bind_learned
+    from spectrain.heads.serving.formats import method_of
 
     for call in (lambda: family_of(nn.Linear(2, 2)), lambda: method_of(nn.Linear(2, 2)),
-                 lambda: learned_kind("hybrid", nn.Linear(2, 2))):
+                 lambda: bind_learned("hybrid", nn.Linear(2, 2))):
         with pytest.raises(SpectrainError, match="not the drafter of a registered drafter family"):
             call()

@@ -24,9 +24,10 @@ PLUGIN = '''
 """A toy drafter family shipped by another package."""
 from dataclasses import asdict, dataclass
 
-from spectrain.eval.families import FamilyEvaluator
-from spectrain.heads.families import DrafterFamily, ServingFormat
-from tests.test_families import (BIGRAM, BigramConfig, BigramDrafter, BigramHead, BigramModule, _export_flat,
+from spectrain.eval.family_evaluator import FamilyEvaluator, register_evaluator
+from spectrain.heads.families import DrafterFamily
+from spectrain.heads.serving.registry import FamilyServing, ServingFormat, register_serving
+from tests.test_families import (BIGRAM_SERVING, BigramConfig, BigramDrafter, BigramHead, BigramModule, _export_flat,
                                  _load_flat)
 
 
@@ -59,14 +60,13 @@ def load_flat(*args):
     return head
 
 
-FAMILY = DrafterFamily(
-    name="mtp", methods=("mtp",), drafter_class=MtpHead, config_class=MtpConfig, label="toy MTP",
-    formats=(ServingFormat("toy-mtp", "a toy engine's MTP layout", "mtp",
-                           detect=lambda c: c.get("architectures") == ["ToyMtpHead"], export=export_flat,
-                           load=load_flat, expected=BIGRAM.formats[0].expected),),
-    train_module=MtpModule,
-    evaluator=FamilyEvaluator(build=lambda head, model, tree, dynamic=None, vocab=None: BigramDrafter(
-        head, model, tree, vocab), static_trees=False, max_depth=lambda head: 1))
+FAMILY = DrafterFamily(name="mtp", methods=("mtp",), drafter_class=MtpHead, config_class=MtpConfig, label="toy MTP")
+# its other halves, registered when the entry point's module is imported
+register_serving(FamilyServing("mtp", formats=(
+    ServingFormat("toy-mtp", "a toy engine's MTP layout", "mtp", detect=lambda c: c.get("architectures") == ["ToyMtpHead"],
+                  export=export_flat, load=load_flat, expected=BIGRAM_SERVING.formats[0].expected),)))
+register_evaluator("mtp", FamilyEvaluator(build=lambda head, model, tree, dynamic=None, vocab=None: BigramDrafter(
+    head, model, tree, vocab), static_trees=False, max_depth=lambda head: 1))
 '''
 
 
@@ -92,7 +92,12 @@ def installed(tmp_path, monkeypatch):
         monkeypatch.syspath_prepend(str(site))
         monkeypatch.setattr(registry, "_loaded", False)  # as in a fresh process with the package installed
     yield install_with
+    from spectrain.eval.family_evaluator import unregister_evaluator
+    from spectrain.heads.serving.registry import unregister_serving
+
     registry.unregister_family("mtp")
+    unregister_serving("mtp")
+    unregister_evaluator("mtp")
     for module in ("toy_mtp", "toy_mtp_module"):
         sys.modules.pop(module, None)
 
@@ -101,9 +106,9 @@ def installed(tmp_path, monkeypatch):
 def test_an_installed_family_trains_evaluates_exports_and_imports(installed, verifier_factory, tmp_path, entry_point):
     from spectrain.eval.cli import parse_args as eval_args
     from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
-    from spectrain.heads.export_cli import parse_args as export_args
-    from spectrain.heads.export_cli import run as export_run
-    from spectrain.heads.formats import FORMATS, detect_format, import_drafter
+    from spectrain.heads.serving.cli import parse_args as export_args
+    from spectrain.heads.serving.cli import run as export_run
+    from spectrain.heads.serving.formats import FORMATS, detect_format, import_drafter
     from spectrain.heads.verifier import load_verifier
 
     with pytest.raises(SpectrainError, match="method 'mtp' belongs to no registered drafter family"):
@@ -114,7 +119,7 @@ def test_an_installed_family_trains_evaluates_exports_and_imports(installed, ver
 
     # train: a few Lightning steps on a tiny random verifier; measured tau decodes through the family's evaluator
     verifier_dir = str(verifier_factory("llama", False))
-    module = train_a_few_steps(family.train_module, verifier_dir, measure_k=1)
+    module = train_a_few_steps(sys.modules["toy_mtp"].MtpModule, verifier_dir, measure_k=1)
     assert module.family is family
     assert "tau_measured" in module.last_val_metrics
     run = module.export(tmp_path / "run", module.plain_drafter())
@@ -150,7 +155,7 @@ def test_a_broken_entry_point_is_named_not_skipped(installed):
 
 @pytest.mark.parametrize("name,methods", [("ngram", ("ngram-head",)), ("lookup", ("hybrid",)), ("ar", ("ar1",))])
 def test_the_evaluators_own_method_names_are_refused(name, methods):
-    with pytest.raises(SpectrainError, match="the evaluator's own method .*reserved: ar, ngram, hybrid"):
+    with pytest.raises(SpectrainError, match="the evaluator's own method .*reserved: ar, ngram, lookahead, hybrid"):
         register_family(DrafterFamily(name=name, methods=methods, drafter_class=nn.Linear, config_class=dict))
     assert name not in [f.name for f in registry.families()]
 

@@ -13,9 +13,10 @@ from torch import nn
 from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
 from spectrain.heads.eagle import EagleDrafter
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.families import DrafterFamily, ServingFormat, register_family, resolve, serving_formats, \
-    unregister_family
-from spectrain.heads.formats import detect_format, export_drafter, import_drafter, recorded_verifier
+from spectrain.heads.families import DrafterFamily, register_family, unregister_family
+from spectrain.heads.serving.families import serving_formats
+from spectrain.heads.serving.registry import FamilyServing, ServingFormat, register_serving, unregister_serving
+from spectrain.heads.serving.formats import detect_format, export_drafter, import_drafter, recorded_verifier
 from spectrain.heads.medusa import MedusaHeads
 from tests.conftest import make_verifier
 
@@ -27,7 +28,7 @@ def verifier():
 
 def claimants(config: dict) -> list[str]:
     """Every registered format whose ``detect`` says yes to ``config``."""
-    return [spec.name for spec in serving_formats().values() if resolve(spec.detect)(config)]
+    return [spec.name for spec in serving_formats().values() if spec.detect(config)]
 
 
 def _drafter(kind: str, verifier):
@@ -82,9 +83,11 @@ def one_layer_llama_family():
                         detect=lambda c: c.get("model_type") == "llama" and c.get("num_hidden_layers") == 1,
                         export=None, load=None, expected=None)
     family = register_family(DrafterFamily(name="mtp-probe", methods=("mtp-probe",), drafter_class=nn.Identity,
-                                           config_class=dict, formats=(fmt,)))
+                                           config_class=dict))
+    register_serving(FamilyServing(family.name, formats=(fmt,)))
     yield family
     unregister_family(family.name)
+    unregister_serving(family.name)
 
 
 def test_a_directory_two_formats_claim_is_refused_naming_both(tmp_path, verifier, one_layer_llama_family):
@@ -131,7 +134,8 @@ def test_a_family_without_evaluator_or_with_a_raising_predicate_breaks_nothing_e
     fmt = ServingFormat("raises", "a predicate that reads a key others lack", "exportonly",
                         detect=lambda c: c["architectures"][0] == "Nope", export=None, load=None, expected=None)
     family = register_family(DrafterFamily(name="exportonly", methods=("exportonly",), drafter_class=nn.Identity,
-                                           config_class=dict, formats=(fmt,)))
+                                           config_class=dict))
+    register_serving(FamilyServing(family.name, formats=(fmt,)))
     try:
         assert parse_args(["--method", "ngram"]).method == "ngram" and published() == before
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -139,6 +143,7 @@ def test_a_family_without_evaluator_or_with_a_raising_predicate_breaks_nothing_e
             detect_format(tmp_path)
     finally:
         unregister_family(family.name)
+        unregister_serving(family.name)
 
 
 def test_the_clis_read_an_ambiguous_drafter_in_the_format_named(tmp_path, verifier_factory, one_layer_llama_family,
@@ -148,7 +153,7 @@ def test_the_clis_read_an_ambiguous_drafter_in_the_format_named(tmp_path, verifi
     from spectrain.eval.cli import main as eval_main
     from spectrain.eval.results import parse_args as results_args
     from spectrain.eval.results import results
-    from spectrain.heads.export_cli import main as export_main
+    from spectrain.heads.serving.cli import main as export_main
     from spectrain.heads.verifier import load_verifier
 
     verifier_dir = str(verifier_factory("llama", False))

@@ -28,9 +28,9 @@ from spectrain.eval.eagle import EagleChainDrafter
 from spectrain.eval.evaluate import load_drafter
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map
 from spectrain.heads.errors import SpectrainError
-from spectrain.heads.formats import export_drafter, import_drafter, recorded_verifier, validate_export
+from spectrain.heads.serving.formats import export_drafter, import_drafter, recorded_verifier, validate_export
 from spectrain.heads.medusa import MedusaHeads
-from spectrain.heads.token_map import TOKEN_MAP_FILE, check_token_map
+from spectrain.heads.serving.token_map import TOKEN_MAP_FILE, check_token_map
 from spectrain.heads.verifier import (Verifier, match_verifier, save_verifier_signature, tokenizer_fingerprint,
                                       verifier_identity)
 from spectrain.heads.vocab import Ranking, load_ranking
@@ -547,7 +547,7 @@ def test_full_vocabulary_drafters_get_no_token_map_and_medusa_says_full_head(tmp
 def test_export_cli_carries_ranking_token_map_and_signature(tmp_path, verifier, tiny_tokenizer):
     """``spectrain-export RUN --format eagle-sglang --format eagle``: the run's vocab_ranking.json and
     verifier_signature.json travel into each export, the SGLang one gets its token map, the summary says where."""
-    from spectrain.heads.export_cli import parse_args, run
+    from spectrain.heads.serving.cli import parse_args, run
     from spectrain.heads.vocab import save_ranking
 
     drafter, ranking = ranked_eagle1(verifier)

@@ -1,4 +1,4 @@
-"""GGUF drafters for llama.cpp (heads/llama_cpp.py, heads/eagle_gguf.py, spectrain-export --format gguf,
+"""GGUF drafters for llama.cpp (heads/serving/llama_cpp.py, heads/serving/eagle_gguf.py, spectrain-export --format gguf,
 spectrain-verifier-gguf) and the verdicts of the llama.cpp benchmarks (benchmarks/llama_cpp_check.py,
 llama_cpp_speed.py: their pieces in eval/engine_controls.py, engine_compare.py, engine_verdicts.py, layer_probe.py,
 llama_cpp_server.py, llama_cpp_modes.py, llama_cpp_timing.py)."""
@@ -19,17 +19,18 @@ gguf = pytest.importorskip("gguf")
 
 from spectrain.eval import layer_probe as probe_mod  # noqa: E402
 from spectrain.eval import llama_cpp_server as server  # noqa: E402
-from spectrain.eval.engine_compare import kernel_spread  # noqa: E402
+from spectrain.eval.engine_compare import path_spread  # noqa: E402
 from spectrain.eval.engine_controls import eagle3_control, mistaken_gguf  # noqa: E402
 from spectrain.eval.engine_verdicts import llama_cpp_verdict  # noqa: E402
 from spectrain.eval.llama_cpp_modes import (NGRAM_MODES, Draft, ModeRequest, draft_files, draft_modes,  # noqa: E402
                                             mode_flags, mode_of, parse_draft_mode)
 from spectrain.eval.llama_cpp_timing import resummarize, round_costs, round_split, summarize  # noqa: E402
-from spectrain.heads import eagle_gguf, llama_cpp  # noqa: E402
+from spectrain.heads.serving import eagle_gguf, llama_cpp  # noqa: E402
+from spectrain.heads.serving.gguf import write_draft_gguf  # noqa: E402
 from spectrain.heads.eagle import EagleDrafter, build_vocab_map  # noqa: E402
 from spectrain.heads.errors import SpectrainError  # noqa: E402
-from spectrain.heads.export_cli import main as export_main  # noqa: E402
-from spectrain.heads.export_cli import verifier_main  # noqa: E402
+from spectrain.heads.serving.cli import main as export_main  # noqa: E402
+from spectrain.heads.serving.cli import verifier_main  # noqa: E402
 from spectrain.heads.layers import apply_rotary, rotary_cos_sin  # noqa: E402
 from spectrain.heads.medusa import MedusaHeads  # noqa: E402
 
@@ -172,10 +173,15 @@ def test_what_llama_cpp_cannot_serve_is_refused_with_the_reason(tmp_path, verifi
         (eagle3(verifier, aux=[1, 3]), "fuses 2 verifier layers [1, 3]; llama.cpp's eagle3 loader requires exactly 3"),
         (eagle3(verifier, norm_output=True), "norm_output on"),
     ]
-    for drafter, message in cases:
+    for drafter, message in cases:  # through the family's writer, as spectrain-export --format gguf writes
+        with pytest.raises(SpectrainError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            write_draft_gguf(drafter, tmp_path / "no.gguf", target)
+        assert not (tmp_path / "no.gguf").exists()
+    with pytest.raises(SpectrainError, match="draft-eagle3 serves EAGLE-3 drafters, not a MedusaHeads"):
+        eagle_gguf.write_eagle3_gguf(cases[1][0], tmp_path / "no.gguf", target)  # the writer itself, asked directly
+    for drafter, message in cases[2:]:
         with pytest.raises(SpectrainError, match=message.replace("[", r"\[").replace("]", r"\]")):
             eagle_gguf.write_eagle3_gguf(drafter, tmp_path / "no.gguf", target)
-        assert not (tmp_path / "no.gguf").exists()
     with pytest.raises(SpectrainError, match="dtype must be one of"):
         eagle_gguf.write_eagle3_gguf(eagle3(verifier), tmp_path / "no.gguf", target, dtype="q4_0")
 
@@ -274,7 +280,7 @@ def dflash(verifier, **kw):
 
 
 def test_dflash_gguf_holds_every_weight_unpermuted(tmp_path, verifier):
-    from spectrain.heads import dflash_gguf
+    from spectrain.heads.serving import dflash_gguf
 
     target = tiny_target_gguf(tmp_path / "t.gguf")
     drafter = dflash(verifier, markov_rank=4, confidence_head=True)
@@ -298,7 +304,7 @@ def test_dflash_gguf_holds_every_weight_unpermuted(tmp_path, verifier):
 
 
 def test_dflash_gguf_refusals_name_the_reason(tmp_path, verifier, capsys):
-    from spectrain.heads import dflash_gguf
+    from spectrain.heads.serving import dflash_gguf
 
     target = tiny_target_gguf(tmp_path / "t.gguf")
     cases = [(dflash(verifier, confidence_head=True), "--drop_confidence_head"),
@@ -488,8 +494,8 @@ def test_kernel_spread_is_measured_where_both_paths_scored_the_same_context():
     # the speculative path: position 1 an accepted draft (no probabilities), parts at position 2 (9 over 7)
     spec = run([5, 6, 9, 8], [{5: -0.1004, 1: -3.0}, {}, {9: -0.5001, 7: -0.5009}, {8: -5.0}])
     # after the parting the contexts differ (position 3's -5.0 is not counted)
-    assert kernel_spread([plain], [spec], set()) == pytest.approx(0.0014)  # token 9 at the parting
-    assert kernel_spread([plain], [run([5, 6, 7, 8], [{}, {}, {}, {}])], set()) is None
+    assert path_spread([plain], [spec], set()) == pytest.approx(0.0014)  # token 9 at the parting
+    assert path_spread([plain], [run([5, 6, 7, 8], [{}, {}, {}, {}])], set()) is None
 
 
 def test_probe_verdicts():
@@ -700,7 +706,7 @@ def test_same_file_as_llama_cpps_converter(tmp_path):
     bit for bit, every key but the file's description (general.*) and the tokenizer, which we copy from the
     target GGUF (the converter rebuilds it from the HF directory: it writes no add_space_prefix)."""
     from spectrain.data.smollm2 import ensure_smollm2
-    from spectrain.heads.formats import import_drafter
+    from spectrain.heads.serving.formats import import_drafter
     from spectrain.heads.verifier import smollm2_gguf
 
     shipped = Path(__file__).resolve().parents[1] / "pretrained" / "smollm2-eagle3"
@@ -729,8 +735,8 @@ def test_same_dflash_file_as_llama_cpps_converter(tmp_path, kind):
     for bit, every dflash.* key and the mask token."""
     from spectrain.data.smollm2 import ensure_smollm2
     from spectrain.heads.dflash import DFlashConfig, DFlashDrafter
-    from spectrain.heads.dflash_gguf import write_dflash_gguf
-    from spectrain.heads.formats import export_drafter
+    from spectrain.heads.serving.dflash_gguf import write_dflash_gguf
+    from spectrain.heads.serving.formats import export_drafter
     from spectrain.heads.verifier import load_verifier, smollm2_gguf
 
     hf = ensure_smollm2()

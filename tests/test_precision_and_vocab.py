@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from spectrain.heads import precision
-from spectrain.heads.formats import export_drafter, import_drafter
+from spectrain.heads.serving.formats import export_drafter, import_drafter
 from spectrain.heads.verifier import load_verifier, verifier_features
 from spectrain.train.cli import SpectrainCLI, train
 from spectrain.train.eagle import EagleModule
@@ -255,7 +255,7 @@ def test_sparse_teacher_over_a_row_subset_by_hand():
 
 def test_own_heads_outside_the_training_vocabulary_do_not_decay(verifier_factory):
     m = MedusaModule(verifier=str(verifier_factory("llama", False)), train_vocab_size=40, weight_decay=0.1)
-    from spectrain.train.base import build_optimizer
+    from spectrain.train.optim import build_optimizer
 
     groups = build_optimizer(m.drafter, 1e-3, 0.1, no_decay=m.no_decay_params()).param_groups
     decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}

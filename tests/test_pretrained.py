@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from spectrain.eval.cli import main as eval_main
-from spectrain.heads.formats import detect_format, import_drafter, validate_export
+from spectrain.heads.serving.formats import detect_format, import_drafter, validate_export
 
 PRETRAINED = Path(__file__).resolve().parent.parent / "pretrained"
 SHIPPED = sorted(p for p in PRETRAINED.iterdir() if (p / "config.json").is_file()) if PRETRAINED.is_dir() else []
@@ -86,7 +86,7 @@ def test_every_card_llama_cpp_serves_ships_its_gguf():
     """A card ships its llama.cpp file exactly where its drafter's family writes one and llama.cpp serves the
     drafter as trained (ship_drafter.py's rule); the file is the size the card says."""
     from spectrain.heads.errors import SpectrainError
-    from spectrain.heads.llama_cpp import gguf_export_of
+    from spectrain.heads.serving.gguf import gguf_export_of
 
     def served(path: Path) -> bool:
         try:
@@ -110,8 +110,8 @@ def test_shipped_gguf_is_what_the_export_writes_from_the_shipped_weights(path, t
     loop measured."""
     import hashlib
 
-    from spectrain.heads.export_cli import target_gguf_for
-    from spectrain.heads.llama_cpp import write_draft_gguf
+    from spectrain.heads.serving.cli import target_gguf_for
+    from spectrain.heads.serving.gguf import write_draft_gguf
 
     g = card(path)["gguf"]
     fresh = tmp_path / "fresh.gguf"

@@ -1,5 +1,5 @@
 """benchmarks/train_throughput.py takes its drafters from the family table, not from method names: every
-registered method with a SmolLM2 recipe in both trees, each through its family's training module; and its FLOP
+registered method with a SmolLM2 recipe in both trees, each through the training module its recipe names; and its FLOP
 count (torch's counter) includes attention on the CPU (both in spectrain.train.throughput)."""
 
 from __future__ import annotations
@@ -20,18 +20,22 @@ class ToyModule(DrafterModule):
     method_name = "toydraft"
 
 
+MODULES = {"medusa": "spectrain.train.medusa.MedusaModule", "eagle1": "spectrain.train.eagle.EagleModule",
+           "eagle3": "spectrain.train.eagle.EagleModule", "dflash": "spectrain.train.dflash.DFlashModule",
+           "toydraft": f"{__name__}.ToyModule"}
+
+
 def recipes(root: Path, *methods: str) -> Path:
     (root / "configs").mkdir(parents=True)
     for method in methods:
-        (root / "configs" / f"{method}_smollm2.yaml").write_text("model: {}\n")
+        (root / "configs" / f"{method}_smollm2.yaml").write_text(f"model:\n  class_path: {MODULES[method]}\n")
     return root
 
 
 def test_timed_methods_come_from_the_family_table(tmp_path):
     new = recipes(tmp_path / "new", "medusa", "eagle3", "dflash", "toydraft")
     old = recipes(tmp_path / "old", "medusa", "eagle1", "eagle3", "toydraft")
-    toy = DrafterFamily(name="toy-family", methods=("toydraft",), drafter_class=nn.Linear, config_class=dict,
-                        train_module=ToyModule)  # a family from outside: its module passed as the object
+    toy = DrafterFamily(name="toy-family", methods=("toydraft",), drafter_class=nn.Linear, config_class=dict)
     families()  # the bundled families first: the order below is registration order
     register_family(toy)
     try:
@@ -46,6 +50,9 @@ def test_timed_methods_come_from_the_family_table(tmp_path):
             timed_methods(old, "dflash", new)
         with pytest.raises(SpectrainError, match="'nosuch' belongs to no registered drafter family"):
             timed_methods(old, "nosuch", new)
+        (new / "configs" / "toydraft_smollm2.yaml").write_text("model: {}\n")
+        with pytest.raises(SpectrainError, match="toydraft_smollm2.yaml names no model.class_path"):
+            timed_methods(old, "toydraft", new)
     finally:
         unregister_family(toy.name)
     with pytest.raises(SpectrainError, match="nothing to time"):

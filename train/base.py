@@ -39,7 +39,7 @@ from spectrain.heads.verifier import (LogitTransform, load_verifier, max_context
                                       verifier_identity, verifier_signature)
 from spectrain.heads.vocab import save_ranking
 
-from .checkpoint_state import (VERIFIER_PREFIX, check_method_and_names, check_same_drafter, check_shapes,
+from .checkpoint_state import (check_method_and_names, check_same_drafter, check_shapes,
                                drafter_state, gathered_rng_state, rank_rng_state, restore_rank_rng,
                                without_verifier)
 from .losses import TOKEN_LOSSES, default_memory_budget, logits_bytes, projected_token_loss
@@ -50,9 +50,7 @@ from .strategies import decay_names, drafter_class, full_state_dict, inside_forw
 from .teacher import FrozenRows, batch_features, dense_targets, sparse_targets, training_vocabulary
 from .validation import chain_counts, reduce_sums
 
-# Helpers that moved into modules of their own, still importable from here (tests and benchmarks import them so).
-__all__ = ["DrafterModule", "VERIFIER_PREFIX", "build_optimizer", "ddp_ignored_names", "local_device",
-           "reduce_sums"]
+__all__ = ["DrafterModule"]
 
 # The frozen verifier stays in eval mode on purpose; Lightning would warn about it on every fit.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
@@ -194,7 +192,7 @@ class DrafterModule(L.LightningModule):
 
     def load_initial_drafter(self, path: str) -> None:
         """Copy the weights of the drafter in ``path`` (any importable format) into ``self.drafter``."""
-        from spectrain.heads.formats import import_drafter
+        from spectrain.heads.serving.formats import import_drafter
 
         source = import_drafter(path, verifier_model=self.verifier, fmt=self.init_from_format)
         check_same_drafter(source, self.drafter, path)

@@ -151,7 +151,7 @@ class EagleModule(DrafterModule):
     def load_initial_drafter(self, path: str) -> None:
         """:meth:`DrafterModule.load_initial_drafter`, refusing a drafter of another norm variant: two of the flags
         have no tensor of their own, so the state dicts alone would match and the weights mean something else."""
-        from spectrain.heads.formats import import_drafter
+        from spectrain.heads.serving.formats import import_drafter
 
         source = import_drafter(path, verifier_model=self.verifier, fmt=self.init_from_format)
         theirs = {flag: bool(getattr(source.config, flag, False)) for flag in self.norm_flags}

@@ -1,5 +1,5 @@
 """The drafter's optimizer: AdamW over its trainable weights, with the weight-decay groups and fusing rules of
-:class:`~.base.DrafterModule` (``train.base`` re-exports it; benchmarks build it alone)."""
+:class:`~.base.DrafterModule` (benchmarks build it alone)."""
 
 from __future__ import annotations
 

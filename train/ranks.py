@@ -1,5 +1,5 @@
 """Where each rank of a data-parallel run works: the device it trains on and what DDP must leave alone. Helpers of
-:class:`~.base.DrafterModule` (``train.base`` re-exports them)."""
+:class:`~.base.DrafterModule`."""
 
 from __future__ import annotations
 

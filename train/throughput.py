@@ -1,5 +1,5 @@
 """The pieces of ``benchmarks/train_throughput.py`` that tests check: which drafter methods it times
-(:func:`timed_methods`, from the family table) and its FLOP counter (:func:`flop_counter`, attention on the CPU
+(:func:`timed_methods`, from the family table and the recipes) and its FLOP counter (:func:`flop_counter`, attention on the CPU
 included).
 
 The benchmark times this tree against an older revision, each side in a subprocess importing its own
@@ -36,11 +36,12 @@ def flop_counter():
 
 
 def timed_methods(old_src: Path, wanted: str | None, new_src: Path) -> dict[str, str]:
-    """The drafter methods to time, each with its family's training module as ``"package.module:Class"`` (the
-    family table's ``train_module``): every registered method with a SmolLM2 recipe in both trees (``new_src``,
+    """The drafter methods to time, each with its training module as ``"package.module:Class"`` (its SmolLM2
+    recipe's ``model.class_path``): every registered method with a SmolLM2 recipe in both trees (``new_src``,
     ``old_src``: each a source tree holding ``configs/``), in registration order, or those of ``wanted``
-    (``M,M``). Both sides import the module by that path, the old side from its own tree (which may predate the
-    family table)."""
+    (``M,M``). Both sides import the module by the new tree's path, the old side from its own tree."""
+    import yaml
+
     from spectrain.heads.errors import SpectrainError
     from spectrain.heads.families import families, family_for_method
 
@@ -52,14 +53,17 @@ def timed_methods(old_src: Path, wanted: str | None, new_src: Path) -> dict[str,
                      if recipe(new_src, m).is_file() and recipe(old_src, m).is_file()])
     modules = {}
     for method in methods:
-        module = family_for_method(method, "--methods").train_module
-        if module is None:
-            raise SpectrainError(f"--methods: family {family_for_method(method).name} names no training module")
+        family_for_method(method, "--methods")  # a registered method, or the error naming the known ones
         missing = [side for side, tree in (("new", new_src), ("old", old_src)) if not recipe(tree, method).is_file()]
         if missing:
             raise SpectrainError(f"--methods: {method} has no SmolLM2 recipe (configs/{method}_smollm2.yaml) in the "
                                  f"{' and '.join(missing)} tree")
-        modules[method] = module if isinstance(module, str) else f"{module.__module__}:{module.__qualname__}"
+        model = (yaml.safe_load(recipe(new_src, method).read_text()) or {}).get("model") or {}
+        class_path = model.get("class_path") if isinstance(model, dict) else None
+        if not isinstance(class_path, str) or "." not in class_path:
+            raise SpectrainError(f"--methods: {recipe(new_src, method)} names no model.class_path")
+        module, _, name = class_path.rpartition(".")
+        modules[method] = f"{module}:{name}"
     if not modules:
         raise SpectrainError("no drafter method has a SmolLM2 recipe in both trees: nothing to time")
     return modules

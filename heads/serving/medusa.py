@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from .compatibility import check_compatible
-from .errors import SpectrainError
-from .families import ServingFormat
-from .formats import full_head_note
-from .medusa import MedusaConfig, MedusaHeads
+from ..compatibility import check_compatible
+from ..errors import SpectrainError
+from .registry import FamilyServing, ServingFormat, full_head_note, register_serving
+from ..medusa import MedusaConfig, MedusaHeads
 
 def _medusa_expected_tensors(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
     """vllm-medusa / medusa: :func:`expected_tensors`."""
@@ -153,3 +152,8 @@ MEDUSA_FORMATS = (
                   expected=_medusa_expected_tensors, weights_file="medusa_lm_head.safetensors",
                   extras=full_head_note("TensorRT-LLM and vLLM serve"), pickled_weights="medusa_lm_head.pt"),
 )
+
+
+register_serving(FamilyServing("medusa", formats=MEDUSA_FORMATS,
+                               # Medusa heads that project through the verifier's lm_head need it to be written
+                               exports_need_verifier_head=lambda heads: heads.config.shared_lm_head))

@@ -21,18 +21,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .compatibility import check_compatible
-from .errors import SpectrainError, run_command
-from .families import GGUF_FORMAT, OUR_FORMAT, families, family_of, resolve
+from ..compatibility import check_compatible
+from ..errors import SpectrainError, run_command
+from ..families import families, family_of
+from .families import serving_of
 from .formats import (FORMATS, check_format_for, expected_tensors, export_drafter, import_drafter, input_format,
                       method_of, weights_file)
-from .io import read_json
-from .llama_cpp import (GGUF_DTYPES, check_gguf_exportable, convert_verifier, gguf_export_of, gguf_exports,
-                        gguf_tensors, listed, tokenizer_metadata, write_draft_gguf, write_verifier_gguf)
-from .precision import resolve_dtype
-from .report import finish, format_table
-from .verifier import load_verifier, load_verifier_signature, smollm2_gguf, verifier_identity
-from .vocab import load_ranking
+from ..io import read_json
+from .gguf import check_gguf_exportable, gguf_export_of, gguf_exports, listed, write_draft_gguf
+from .llama_cpp import GGUF_DTYPES, convert_verifier, gguf_tensors, tokenizer_metadata, write_verifier_gguf
+from ..precision import resolve_dtype
+from .registry import GGUF_FORMAT, OUR_FORMAT
+from ..report import finish, format_table
+from ..verifier import load_verifier, load_verifier_signature, smollm2_gguf, verifier_identity
+from ..vocab import load_ranking
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,7 +102,7 @@ def gguf_target(drafter, args) -> Path:
     target = Path(args.target_gguf) if args.target_gguf else target_gguf_for(
         drafter.config.verifier, args.verifier_gguf_file)
     tokenizer_metadata(target)
-    resolve(gguf_export_of(drafter).check_target)(drafter, target)
+    gguf_export_of(drafter).check_target(drafter, target)
     return target
 
 
@@ -115,16 +117,16 @@ def _export_gguf(drafter, args, out: Path, target: Path) -> dict:
 
 def without_confidence_head(drafter):
     """``--drop_confidence_head``: the drafter less its confidence head, by its family's hook."""
-    drop = family_of(drafter).without_confidence_head
+    drop = serving_of(family_of(drafter)).without_confidence_head
     if drop is None:
         raise SpectrainError(f"only a block drafter ({' / '.join(_dropping())}) has a confidence head to drop, not a "
                              f"{type(drafter).__name__}")
-    return resolve(drop)(drafter)
+    return drop(drafter)
 
 
 def _dropping() -> list[str]:
     """The methods whose drafters can drop a confidence head, as messages name them."""
-    return list(dict.fromkeys(label for f in families() if f.without_confidence_head is not None
+    return list(dict.fromkeys(label for f in families() if serving_of(f).without_confidence_head is not None
                               for label in f.method_labels))  # a family whose methods share one label: once
 
 
@@ -146,8 +148,8 @@ def run(args: argparse.Namespace) -> Path:
     verifier_lm_head = None
     ranking = load_ranking(args.drafter)  # vocab_ranking.json beside the weights, or None (an older run)
     signature = load_verifier_signature(args.drafter)
-    needs_head = family_of(drafter).exports_need_verifier_head
-    if needs_head is not None and resolve(needs_head)(drafter):  # heads that project through the verifier's lm_head
+    needs_head = serving_of(family_of(drafter)).exports_need_verifier_head
+    if needs_head is not None and needs_head(drafter):  # heads that project through the verifier's lm_head
         name = args.verifier or drafter.config.verifier
         if not name:
             raise SpectrainError(f"these {family_of(drafter).label} heads share the verifier's lm_head and no "

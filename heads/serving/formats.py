@@ -27,13 +27,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import SpectrainError
-from .families import OUR_FORMAT, family_for_method, resolve, serving_format, serving_formats
-from .families import method_of as family_method
-from .io import atomic_dir, load_tensors, read_json, save_tensors, write_json
+from ..errors import SpectrainError
+from ..families import family_for_method
+from ..families import method_of as family_method
+from ..io import atomic_dir, load_tensors, read_json, save_tensors, write_json
+from .families import serving_format, serving_formats
+from .registry import OUR_FORMAT
 from .token_map import TOKEN_MAP_FILE, check_token_map
-from .verifier import SIGNATURE_FIELDS, load_verifier_signature, save_verifier_signature
-from .vocab import Ranking, save_ranking
+from ..verifier import SIGNATURE_FIELDS, load_verifier_signature, save_verifier_signature
+from ..vocab import Ranking, save_ranking
 
 class _FormatTable(Mapping):
     """A live view of the registered serving formats (:func:`~.families.serving_formats`): name -> one field."""
@@ -72,7 +74,7 @@ def expected_tensors(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
     This is the engine's view (its config keys and its parameter names), not ours, so it catches an
     export whose config and weights disagree.
     """
-    expected = resolve(serving_format(fmt).expected)
+    expected = serving_format(fmt).expected
     try:
         return expected(fmt, config)
     except KeyError as e:
@@ -85,7 +87,7 @@ def optional_tensors(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
     if optional is None:
         return {}
     try:
-        return resolve(optional)(fmt, config)
+        return optional(fmt, config)
     except KeyError as e:
         raise SpectrainError(f"{fmt} config.json lacks the key {e.args[0]!r} its engine reads") from None
 
@@ -127,7 +129,7 @@ def validate_export(path: str | Path, fmt: str) -> dict[str, tuple[int, ...]]:
         problems.append(f"wrong shapes {wrong}")
     check = serving_format(fmt).check
     if check is not None:
-        problems += resolve(check)(fmt, config, found, not problems)
+        problems += check(fmt, config, found, not problems)
     declared = (config.get("spectrain") or {}).get("token_map")
     if declared is not None or (path / TOKEN_MAP_FILE).exists():
         try:
@@ -163,7 +165,7 @@ def export_tensors(drafter, fmt: str, verifier_lm_head: torch.nn.Module | None =
     """(config.json dict, tensors) of ``drafter`` in ``fmt``; ``notes`` collects what the user should know."""
     notes = notes if notes is not None else []
     check_format_for(drafter, fmt)
-    return resolve(serving_format(fmt).export)(drafter, fmt, verifier_lm_head, verifier_name, speculative_tokens, notes)
+    return serving_format(fmt).export(drafter, fmt, verifier_lm_head, verifier_name, speculative_tokens, notes)
 
 
 def export_drafter(drafter, fmt: str, out_dir: str | Path, verifier_lm_head=None, verifier_name: str = "",
@@ -217,23 +219,8 @@ def _export_extras(drafter, fmt: str, config: dict, ranking: Ranking | None, sig
     writers.append(lambda d: save_ranking(d, ranking.counts, ranking.default_size, ranking.source))
     extras = serving_format(fmt).extras
     if extras is not None:
-        writers += resolve(extras)(drafter, fmt, config, ranking, notes)
+        writers += extras(drafter, fmt, config, ranking, notes)
     return writers
-
-
-def full_head_note(engines: str, hint: str = ""):
-    """An ``extras`` hook for a format whose engines serve the full head: a ranked drafter's export notes that its
-    ranked head is spectrain-eval's (``engines``: "vLLM serves"; ``hint``: appended to the note)."""
-
-    def note(drafter, fmt: str, config: dict, ranking: Ranking, notes: list[str]) -> list:
-        ids = ranking.ids()  # the drafter's default ranked head; None = it trained over the full vocabulary
-        if ids is not None:
-            notes.append(f"{fmt}: {engines} this export's full head over all {drafter.config.vocab_size} tokens; the "
-                         f"ranked {ids.numel()}-token head is spectrain-eval's (vocab_ranking.json is copied beside "
-                         "the weights)" + hint)
-        return []
-
-    return note
 
 
 def verifier_name_of(drafter) -> str:
@@ -245,7 +232,7 @@ def _claims(spec, config: dict) -> bool:
     """Whether ``spec``'s detect predicate claims ``config``; a predicate that raises on a config it does not
     expect (another format's keys) names its format rather than breaking every other format's detection."""
     try:
-        return bool(resolve(spec.detect)(config))
+        return bool(spec.detect(config))
     except Exception as err:  # a plugin's predicate: any error, reported as that format's
         raise SpectrainError(f"format {spec.name!r}'s detect raised {type(err).__name__}: {err} (its predicate must "
                              "return False for a config it does not read)") from None
@@ -319,7 +306,7 @@ def import_drafter(path: str | Path, verifier_model=None, return_names: bool = F
     tensors = load_tensors(path / weights_file(fmt))
     names = set(tensors)
     ours = config.get("spectrain") or {}
-    drafter = resolve(serving_format(fmt).load)(fmt, config, tensors, ours, verifier_model, path)
+    drafter = serving_format(fmt).load(fmt, config, tensors, ours, verifier_model, path)
     return (drafter, names) if return_names else drafter
 
 

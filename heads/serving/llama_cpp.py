@@ -1,9 +1,7 @@
 """GGUF files for llama.cpp: what every draft written for it shares, and verifiers re-encoded for serving.
 
 The draft writers live with their drafter families, one module each, and reach ``spectrain-export --format gguf``
-through the family's :class:`~.families.GgufExport` record (its writer, its target check and
-``check_exportable``: why llama.cpp cannot serve a drafter as trained). :func:`check_gguf_exportable` asks that
-record and names the drafters llama.cpp takes when a family writes no GGUF at all. What they share is here:
+through the family's :class:`~.registry.GgufExport` record (:mod:`.gguf` looks it up). What they share is here:
 :func:`write_gguf` (written to a temporary sibling, read back and checked, and only then renamed into place),
 the target GGUF's metadata and tokenizer (:func:`read_metadata`, :func:`tokenizer_metadata`,
 :func:`target_shape`: a draft carries every ``tokenizer.*`` key of the target it is served beside, since
@@ -29,9 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import SpectrainError
-from .families import GgufExport, families, family_for_method, family_of, resolve
-from .io import atomic_path
+from ..errors import SpectrainError
+from ..io import atomic_path
 
 GGUF_DTYPES = ("float32", "float16", "bfloat16")
 # A draft may also be Q8_0 (quantized here, with gguf's own Q8_0 code: what llama-quantize writes for Q8_0)
@@ -45,61 +42,6 @@ def _gguf():
     except ImportError:  # pragma: no cover - a dependency of the package
         raise SpectrainError("writing GGUF needs the gguf package: pip install 'gguf>=0.10'") from None
     return gguf
-
-
-# -- which drafters llama.cpp takes: each family's GgufExport ------------------------------------------------
-def gguf_exports() -> list[GgufExport]:
-    """The :class:`~.families.GgufExport` of every registered drafter family that writes a llama.cpp file."""
-    return [resolve(f.gguf) for f in families() if f.gguf is not None]
-
-
-def listed(names: list[str], last: str = "and") -> str:
-    """``"a, b and c"`` (``last``: the word before the last name)."""
-    return ", ".join(names[:-1]) + f" {last} " + names[-1] if len(names) > 1 else "".join(names)
-
-
-def check_gguf_exportable(drafter) -> None:
-    """Raise, naming the reason, unless llama.cpp can serve ``drafter`` exactly as trained: its drafter family writes
-    a llama.cpp file (:attr:`~.families.DrafterFamily.gguf`) and that record's ``check_exportable`` passes it."""
-    family = family_of(drafter)
-    if family.gguf is None:
-        method = getattr(getattr(drafter, "config", None), "method", type(drafter).__name__)
-        drafters = listed([name for export in gguf_exports() for name in export.drafters])
-        raise SpectrainError(f"--format gguf writes {drafters} drafters for llama.cpp; this drafter is {method}: "
-                             f"llama.cpp has no loader for {family.label} drafts")
-    check = resolve(family.gguf).check_exportable
-    if check is not None:
-        resolve(check)(drafter)
-
-
-def gguf_export_of(drafter) -> GgufExport:
-    """The drafter family's :class:`~.families.GgufExport`; raises, naming the drafters llama.cpp takes, when its
-    family writes no llama.cpp file or the family's ``check_exportable`` refuses this drafter."""
-    check_gguf_exportable(drafter)
-    return resolve(family_of(drafter).gguf)
-
-
-def spec_type_of(method: str) -> str | None:
-    """The ``llama-server --spec-type`` that serves a drafter recording ``method`` (its family's
-    :class:`~.families.GgufExport` names one per drafter label), or None when its family writes no llama.cpp
-    file."""
-    family = family_for_method(method)
-    if family.gguf is None:
-        return None
-    export = resolve(family.gguf)
-    label = family.method_labels[family.methods.index(method)]
-    return export.spec_types[export.drafters.index(label)] if label in export.drafters else None
-
-
-def write_draft_gguf(drafter, out: str | Path, target_gguf: str | Path, dtype: str = "float32", force: bool = False,
-                     verifier_name: str = "") -> str:
-    """Write ``drafter`` as the llama.cpp file its family writes (what ``spectrain-export --format gguf`` writes):
-    the drafter and the target GGUF are checked first (the family's ``check_target``, whatever its writer checks
-    itself), the file is validated before its rename. Returns the ``llama-server`` flags that serve it
-    (``"--spec-type draft-NAME ..."``)."""
-    export = gguf_export_of(drafter)
-    resolve(export.check_target)(drafter, Path(target_gguf))
-    return resolve(export.write)(drafter, Path(out), Path(target_gguf), dtype, force, verifier_name)
 
 
 def write_gguf(out_path: str | Path, arch: str, fill: Callable, check: Callable | None = None,

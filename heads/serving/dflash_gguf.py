@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .dflash import DFlashDrafter
-from .errors import SpectrainError
-from .families import GgufExport
+from ..dflash import DFlashDrafter
+from ..errors import SpectrainError
+from .registry import GgufExport
 from .llama_cpp import (DRAFT_GGUF_DTYPES, GGUFValue, _check_dtype, _encode, _gguf, decoder_keys, draft_metadata,
                         gguf_tensors, read_metadata, shape_problems, target_shape, tokenizer_metadata,
                         tokenizer_problems, write_draft_keys, write_gguf)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import SpectrainError
-from .io import atomic_path
+from ..errors import SpectrainError
+from ..io import atomic_path
 
 TOKEN_MAP_FILE = "token_map.pt"  # SGLang: --speculative-token-map DIR/token_map.pt
 

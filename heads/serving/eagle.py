@@ -42,11 +42,11 @@ import warnings
 
 import torch
 
-from .compatibility import check_compatible
-from .eagle import EagleConfig, EagleDrafter, check_aux_layer_order, check_vocab_map
-from .errors import SpectrainError
-from .families import GgufExport, ServingFormat
-from .formats import full_head_note
+from ..compatibility import check_compatible
+from ..eagle import EagleConfig, EagleDrafter, check_aux_layer_order, check_vocab_map
+from ..errors import SpectrainError
+from .eagle_gguf import check_eagle_exportable, check_eagle_target, write_for_export
+from .registry import FamilyServing, GgufExport, ServingFormat, full_head_note, register_serving
 from .token_map import TOKEN_MAP_FILE, write_token_map
 
 def _eagle_expected_tensors(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
@@ -444,7 +444,7 @@ EAGLE_FORMATS = (
 
 
 # -- llama.cpp: one GGUF file (EAGLE-3 only; eagle_gguf.check_eagle_exportable says why not for EAGLE-1) ----------
-EAGLE_GGUF = GgufExport(check_target="spectrain.heads.eagle_gguf:check_eagle_target",
-                        write="spectrain.heads.eagle_gguf:write_for_export", drafters=("EAGLE-3",),
-                        spec_types=("draft-eagle3",),
-                        check_exportable="spectrain.heads.eagle_gguf:check_eagle_exportable")
+EAGLE_GGUF = GgufExport(check_target=check_eagle_target, write=write_for_export, drafters=("EAGLE-3",),
+                        spec_types=("draft-eagle3",), check_exportable=check_eagle_exportable)
+
+register_serving(FamilyServing("eagle", formats=EAGLE_FORMATS, gguf=EAGLE_GGUF))

@@ -8,9 +8,10 @@
 
 from __future__ import annotations
 
-from .errors import SpectrainError
-from .families import ServingFormat
-from .dflash import DFlashConfig, DFlashDrafter, check_verifier
+from ..errors import SpectrainError
+from .registry import FamilyServing, ServingFormat, register_serving
+from ..dflash import DFlashConfig, DFlashDrafter, check_verifier, without_confidence_head
+from .dflash_gguf import DFLASH_GGUF
 
 SPECULATORS_VERSION = "0.9.0"
 
@@ -154,3 +155,6 @@ DFLASH_FORMATS = tuple(
                   expected=_speculators_expected)
     for method, label, architecture in (("dflash", "DFlash", "DFlashSpeculator"),
                                         ("dspark", "DSpark", "DSparkSpeculator")))
+
+register_serving(FamilyServing("dflash", formats=DFLASH_FORMATS, gguf=DFLASH_GGUF,
+                               without_confidence_head=without_confidence_head))

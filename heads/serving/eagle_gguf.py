@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .eagle import EagleDrafter
-from .errors import SpectrainError
-from .llama_cpp import (DRAFT_GGUF_DTYPES, GGUFValue, _check_dtype, _encode, _gguf, _permute, check_gguf_exportable,
+from ..eagle import EagleDrafter
+from ..errors import SpectrainError
+from .llama_cpp import (DRAFT_GGUF_DTYPES, GGUFValue, _check_dtype, _encode, _gguf, _permute,
                         decoder_keys, draft_metadata, gguf_tensors, shape_problems, target_shape, tokenizer_metadata,
                         tokenizer_problems, write_draft_keys, write_gguf)
 
@@ -46,8 +46,8 @@ FUSED_LAYERS = 3  # llama.cpp's eagle3 loader and common/speculative.cpp require
 def check_eagle_exportable(drafter) -> None:
     """Raise, naming the reason, unless llama.cpp's ``draft-eagle3`` drafts what ``drafter`` drafts here."""
     if not isinstance(drafter, EagleDrafter):
-        check_gguf_exportable(drafter)  # a drafter of another family: why llama.cpp takes none of its kind, if so
-        raise SpectrainError(f"not an EAGLE drafter: {type(drafter).__name__}")
+        raise SpectrainError(f"llama.cpp's draft-eagle3 serves EAGLE-3 drafters, not a {type(drafter).__name__} "
+                             "(spectrain-export --format gguf names the drafters llama.cpp takes)")
     c = drafter.config
     if c.variant != "eagle3":
         raise SpectrainError("--format gguf: this is an EAGLE-1 drafter; llama.cpp serves EAGLE-3 drafts only "
