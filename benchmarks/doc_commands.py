@@ -34,7 +34,8 @@ from spectrain.heads.report import finish, format_table
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {"spectrain-eval": "spectrain.eval.cli", "spectrain-results": "spectrain.eval.results",
         "spectrain-extract": "spectrain.data.extract", "spectrain-export": "spectrain.heads.serving.cli",
-        "spectrain-distill": "spectrain.data.distill", "spectrain-build-verifier": "spectrain.data.bundled"}
+        "spectrain-distill": "spectrain.data.distill", "spectrain-build-verifier": "spectrain.data.bundled",
+        "spectrain-plan": "spectrain.eval.forecast"}
 TRAIN = {"train_medusa": "medusa_tinyshakespeare.yaml", "train_eagle": "eagle3_tinyshakespeare.yaml",
          "train_dflash": "dflash_tinyshakespeare.yaml", "spectrain-train": None}  # None: the --config alone
 
