@@ -43,7 +43,7 @@ from spectrain.eval.engine_compare import first_turns, our_tau, strip_eos
 from spectrain.eval.engine_controls import dflash_control, eagle3_control, medusa_control, mistaken_export
 from spectrain.eval.engine_verdicts import block_fields, vllm_verdict
 from spectrain.eval.families import check_chain_depth
-from spectrain.eval.vllm_engine import BLOCK_METHODS, ENGINE_FORMAT, VLLM_METHOD, run_vllm
+from spectrain.eval.vllm_engine import BLOCK_METHODS, ENGINE_FORMAT, PARALLEL_METHODS, VLLM_METHOD, run_vllm
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.serving.formats import export_drafter, import_drafter, method_of
 from spectrain.heads.report import finish, format_table
@@ -149,7 +149,9 @@ def run(args, command: str = "") -> Path:
            "dtype": "float32", "max_model_len": min(2048, context), "runs": [
                {"name": "baseline", "speculative_config": None}] + [
                {"name": name, "speculative_config": {"method": VLLM_METHOD[method], "model": str(exported.resolve()),
-                                                      "num_speculative_tokens": k}}
+                                                      "num_speculative_tokens": k,
+                                                      **({"parallel_drafting": True} if method in PARALLEL_METHODS
+                                                         else {})}}
                for name, method, exported, k, _ in drafters]}
     results = {r["name"]: r for r in run_vllm(args.python, RUNNER, job, out)}
     base = results["baseline"]

@@ -16,7 +16,7 @@ import torch
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.families import DrafterFamily, families, family_of
 
-from . import dflash, eagle, medusa  # noqa: F401  the bundled families' evaluators (BUNDLED_FAMILIES' names)
+from . import dflash, eagle, medusa, peagle  # noqa: F401  the bundled families' evaluators (BUNDLED_FAMILIES)
 from .drafters import Drafter
 from .family_evaluator import FamilyEvaluator, registered_evaluator
 

@@ -22,9 +22,11 @@ from spectrain.heads.io import write_json
 
 # The serving layout vLLM loads each method from, and the speculative method it names it by.
 ENGINE_FORMAT = {"medusa": "vllm-medusa", "eagle1": "eagle", "eagle3": "eagle3", "dflash": "speculators-dflash",
-                 "dspark": "speculators-dspark"}
-VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
+                 "dspark": "speculators-dspark", "peagle": "speculators-peagle"}
+VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark",
+               "peagle": "eagle3"}
 BLOCK_METHODS = ("dflash", "dspark")  # a round drafts the whole block: k = the drafter's own draft count
+PARALLEL_METHODS = ("peagle",)  # served by their VLLM_METHOD with "parallel_drafting": true (one pass, k drafts)
 
 
 def run_vllm(python: str, runner: Path, job: dict, out: Path) -> list[dict]:

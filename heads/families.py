@@ -74,7 +74,8 @@ class DrafterFamily:
 _FAMILIES: dict[str, DrafterFamily] = {}
 
 # The bundled families, imported (each registers itself) before any entry point's, in this order: the CLIs list them so.
-BUNDLED_FAMILIES = ("spectrain.heads.medusa", "spectrain.heads.eagle", "spectrain.heads.dflash")
+BUNDLED_FAMILIES = ("spectrain.heads.medusa", "spectrain.heads.eagle", "spectrain.heads.dflash",
+                    "spectrain.heads.peagle")
 ENTRY_POINT_GROUP = "spectrain.families"  # an installed package's families (pyproject [project.entry-points])
 # The evaluator's methods that are no learned drafter (AR, prompt lookup, ...; registered in eval/training_free.py):
 # no family may take these names, or `spectrain-eval --method` would mean two things.

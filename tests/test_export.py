@@ -93,7 +93,7 @@ def test_round_trip_identical_outputs_and_names(tmp_path, verifier, fmt, kind):
 
 def test_formats_cover_the_engines():
     assert set(FORMATS) == {"vllm-medusa", "medusa", "eagle", "eagle-sglang", "eagle3", "speculators",
-                            "speculators-dflash", "speculators-dspark"}
+                            "speculators-dflash", "speculators-dspark", "speculators-peagle"}
 
 
 def test_exported_names_follow_the_engines(tmp_path, verifier):

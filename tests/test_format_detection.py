@@ -18,6 +18,7 @@ from spectrain.heads.serving.families import serving_formats
 from spectrain.heads.serving.registry import FamilyServing, ServingFormat, register_serving, unregister_serving
 from spectrain.heads.serving.formats import detect_format, export_drafter, import_drafter, recorded_verifier
 from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.peagle import PEagleDrafter
 from tests.conftest import make_verifier
 
 
@@ -36,13 +37,16 @@ def _drafter(kind: str, verifier):
         return MedusaHeads.for_verifier(verifier, num_heads=2, num_layers=1, verifier_name="v")
     if kind in ("eagle1", "eagle3"):
         return EagleDrafter.for_verifier(verifier, kind, verifier_name="v")
+    if kind == "peagle":
+        return PEagleDrafter.for_verifier(verifier, num_layers=2, verifier_name="v")
     return DFlashDrafter(DFlashConfig.for_verifier(verifier, block_size=4, verifier_name="v",
                                                    markov_rank=4 if kind == "dspark" else 0))
 
 
 @pytest.mark.parametrize("fmt,kind", [("vllm-medusa", "medusa"), ("medusa", "medusa"), ("eagle", "eagle1"),
                                       ("eagle-sglang", "eagle1"), ("eagle3", "eagle3"), ("speculators", "eagle3"),
-                                      ("speculators-dflash", "dflash"), ("speculators-dspark", "dspark")])
+                                      ("speculators-dflash", "dflash"), ("speculators-dspark", "dspark"),
+                                      ("speculators-peagle", "peagle")])
 def test_each_export_is_claimed_by_its_format_alone(tmp_path, verifier, fmt, kind):
     out = export_drafter(_drafter(kind, verifier), fmt, tmp_path / fmt, verifier_lm_head=verifier.get_output_embeddings())
     assert claimants(json.loads((out / "config.json").read_text())) == [fmt]
@@ -61,6 +65,9 @@ def test_each_export_is_claimed_by_its_format_alone(tmp_path, verifier, fmt, kin
     ({"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 64}, "speculators"),
     ({"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "draft_vocab_size": 64},
      "speculators-dflash"),
+    # speculators' P-EAGLE (PEagleSpeculatorConfig): EAGLE-3's keys plus mask_token_id, under its own type
+    ({"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle", "draft_vocab_size": 64,
+      "eagle_aux_hidden_state_layer_ids": [1, 3, 5], "mask_token_id": 0}, "speculators-peagle"),
     ({"medusa_num_heads": 4, "medusa_num_layers": 1, "model_type": "medusa"}, "medusa"),
     ({"model_type": "medusa", "num_heads": 4}, "vllm-medusa"),
     # overlaps the shape rules must not claim twice: each its one format, or none

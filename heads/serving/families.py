@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import SpectrainError
 from ..families import DrafterFamily, families, family_for_method
-from . import dflash, eagle, medusa  # noqa: F401  the bundled families' serving halves (BUNDLED_FAMILIES' names)
+from . import dflash, eagle, medusa, peagle  # noqa: F401  the bundled families' serving halves (BUNDLED_FAMILIES)
 from .registry import FamilyServing, GgufExport, ServingFormat, registered_serving
 
 
