@@ -60,11 +60,14 @@ def run(args: argparse.Namespace, eval_argv: list[str], command: str) -> Path:
                "eval_command": shlex.join(["spectrain-eval", *eval_argv]), "dtype": evals[0].get("dtype"),
                "dtype_choice": evals[0].get("dtype_choice"), "settings": settings,
                "runs": [{"eval_json": p, "results": e["results"]} for p, e in zip(paths, evals)]}
-    table = format_table(["setting", "tau", "same as AR", "speedup median", "min", "max", "each run"],
+    table = format_table(["setting", "tau", "same as AR", "speedup over AR", "min", "max", "each run",
+                          "over HF generate() (min-max)"],
                          [[name, " ".join(sorted({f"{v:.3f}" for v in s["tau"]})),
                            "n/a" if None in s["identical_to_ar"] else f"{sum(s['identical_to_ar'])}/{args.repeats} runs",
                            f"{s['speedup']:.3f}", f"{s['speedup_min']:.3f}", f"{s['speedup_max']:.3f}",
-                           " ".join(f"{v:.3f}" for v in s["speedup_runs"])] for name, s in settings.items()],
+                           " ".join(f"{v:.3f}" for v in s["speedup_runs"]),
+                           f"{s['speedup_over_hf']:.3f} ({s['speedup_over_hf_min']:.3f}-{s['speedup_over_hf_max']:.3f})"
+                           if "speedup_over_hf" in s else "not timed"] for name, s in settings.items()],
                          title=f"{args.repeats} runs of {summary['eval_command']} ({summary['dtype']}, {cpu_line(cpu)})")
     return finish(summary, args.out, tables=[table])
 

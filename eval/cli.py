@@ -24,6 +24,7 @@ from spectrain.heads.verifier import load_verifier
 from .decode_dtype import cpu_record, decode_dtype
 from .evaluate import EvalSettings, evaluate_drafter, load_drafter
 from .families import families_with
+from .lookahead import GUESSES, WINDOW
 from .methods import EvalMethod, all_methods, method_named, methods
 from .plots import write_plots
 from .prompts import BUNDLED, load_prompts
@@ -65,9 +66,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "a confidence head; also a hybrid's learned rounds); 0: every draft")
     p.add_argument("--draft_model", default=None, help="draft LM for --method draft-model (same tokenizer)")
     p.add_argument("--draft_layers", type=int, default=1, help="layers kept by --method truncated")
+    p.add_argument("--lookahead_window", type=int, default=WINDOW, metavar="W",
+                   help="--method lookahead: columns of the Jacobi window run in each verify pass (W)")
+    p.add_argument("--lookahead_ngram", type=int, default=None, metavar="N",
+                   help="--method lookahead: n-gram size, the window's N - 1 levels (default --k + 1: each round "
+                        "verifies guesses of --k tokens, the paper's N - 1; a larger N's guesses are cut to --k)")
+    p.add_argument("--lookahead_guesses", type=int, default=GUESSES, metavar="G",
+                   help="--method lookahead: n-grams starting with the last token verified a round (G; at most G "
+                        "kept per first token)")
     p.add_argument("--allow_verifier_mismatch", action="store_true",
                    help="accept a drafter whose recorded verifier name differs from --verifier (sizes must match)")
-    p.add_argument("--k", type=int, default=4, help="chain length (drafts per round); 0 skips the chain")
+    p.add_argument("--k", type=int, default=4, help="chain length (drafts per round; --method lookahead: the "
+                   "guessed tokens a round verifies, the paper's N - 1); 0 skips the chain")
     p.add_argument("--tree", default=None,
                    help="static tree: JSON list of rank paths (inline or file), or auto:N for the best N-node tree "
                         f"from measured per-head rank accuracies ({families_that(lambda e: e.rank_trees)})")
@@ -105,7 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(its vocab_ranking.json); 0 = the full vocabulary. Default: the vocabulary it trained over "
                         "(full when it records none). The verifier always verifies over the full vocabulary, so "
                         "outputs are unchanged; only the drafting cost and tau move")
-    p.add_argument("--hf_generate", type=int, default=3, help="prompts timed with HF generate() (0: skip)")
+    p.add_argument("--hf_generate", type=int, default=None, metavar="N",
+                   help="prompts also decoded by HF generate(), interleaved with ours: every speedup is given "
+                        "over our AR and over HF generate() (default: every prompt; 0: skip)")
     p.add_argument("--compile", action="store_true",
                    help="compile the verifier's forwards for every verify size this job uses (bucketed; CUDA graphs "
                         "on CUDA, Inductor elsewhere), warmed up before timing (the time is reported apart); on CUDA "
@@ -136,7 +148,9 @@ def settings_from_args(args) -> EvalSettings:
     made, before anything loads). ``--chat_template auto``: on where the tokenizer has one, off for bundled text."""
     return EvalSettings(
         k=args.k, tree=args.tree, dynamic_tree=args.dynamic_tree, lookup=args.lookup,
-        min_confidence=args.min_confidence, draft_layers=args.draft_layers, min_match=args.min_match,
+        min_confidence=args.min_confidence, draft_layers=args.draft_layers,
+        lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
+        lookahead_guesses=args.lookahead_guesses, min_match=args.min_match,
         min_match_sampled=args.min_match_sampled, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k,
         chat_template={"on": True, "off": False}.get(args.chat_template, False if args.prompts == BUNDLED else None),
@@ -219,7 +233,8 @@ def tables(summary: dict) -> list[str]:
     rows = []
     for name, r in summary["results"].items():
         rows.append([name, r.get("tree_size", 0), r["tau"], r["tokens_per_second"], r["decode_ms_per_token"],
-                     r.get("speedup", 1.0), "-" if r.get("ideal_speedup") is None else r["ideal_speedup"],
+                     r.get("speedup", 1.0), "-" if r.get("speedup_over_hf") is None else r["speedup_over_hf"],
+                     "-" if r.get("ideal_speedup") is None else r["ideal_speedup"],
                      "-" if r.get("draft_over_verify") is None else round(r["draft_over_verify"], 3),
                      "-" if r.get("round_ms") is None else
                      "/".join(f"{r['round_ms'][p]:.2f}" for p in ("draft", "verify", "other")), r["distinct_4gram"],
@@ -230,8 +245,10 @@ def tables(summary: dict) -> list[str]:
              + (" batch-invariant" if summary.get("batch_invariant") else "")
              + (f"; decoder: {summary['decoder']}" if summary.get("decoder") else "")
              + (f"; draft vocabulary {summary['draft_vocab']}" if summary.get("draft_vocab") else "")
-             + (f"; HF generate(): {hf['tokens_per_second']:.1f} tok/s" if hf else ""))
-    out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup", "ideal", "draft/verify",
+             + (f"; HF generate(): {hf['tokens_per_second']:.1f} tok/s, interleaved on {hf['prompts']} prompts"
+                if hf else ""))
+    out = [format_table(["setting", "nodes", "tau", "tok/s", "ms/token", "speedup over AR", "over HF", "ideal",
+                         "draft/verify",
                          "round ms: draft/verify/other", "distinct-4", "same as AR"], rows, title=title)]
     for name, r in summary["results"].items():
         if name == "ar":

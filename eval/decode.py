@@ -16,7 +16,7 @@ import torch
 from spectrain.heads.errors import SpectrainError
 
 from .accept import Sampling, accept, accept_greedy, sample, target_probs
-from .drafters import Drafter, DraftState
+from .drafters import Drafter, DraftState, Probe
 from .static_model import StaticCausalLM
 
 
@@ -115,6 +115,17 @@ def verify_mask_rows(tree) -> torch.Tensor:
     return rows
 
 
+def with_probe_rows(rows: torch.Tensor, probe: Probe) -> torch.Tensor:
+    """(n+1, n+1) tree rows -> (n+1+m, n+1+m) over [root, nodes..., probe nodes...]: a probe node sees the root
+    and the probe nodes its mask names; tree nodes and probe nodes never see each other."""
+    n1, m = rows.shape[0], probe.tokens.numel()
+    out = torch.zeros(n1 + m, n1 + m, dtype=torch.bool, device=rows.device)
+    out[:n1, :n1] = rows
+    out[n1:, 0] = True
+    out[n1:, n1:] = probe.mask
+    return out
+
+
 @torch.no_grad()
 def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_new_tokens: int,
              sampling: Sampling = Sampling(), eos_ids: set[int] | frozenset = frozenset(),
@@ -192,9 +203,16 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
         ids = torch.cat([state.tokens[state.length - 1:state.length], proposal.tokens])
         base = verifier.length
         positions, mask = base + depth_positions, verifier.tree_mask(mask_rows)
+        probe = proposal.probe  # nodes run for the drafter beside the tree (lookahead's window): never accepted
+        if probe is not None:
+            ids = torch.cat([ids, probe.tokens])
+            positions = torch.cat([positions, base + probe.depth])
+            mask = verifier.tree_mask(with_probe_rows(mask_rows, probe))
         clock.stamp()
         hidden = verifier.forward(ids, positions=positions, mask=mask)
-        logits = verifier.logits(hidden)
+        logits = verifier.logits(hidden[:n + 1])  # the tree's rows: all that acceptance reads
+        if probe is not None:  # only the rows the drafter reads through the vocabulary projection
+            probed = verifier.logits(torch.cat([hidden[:1], hidden[n + 1:]])[probe.read]).argmax(-1)
         clock.stamp()
         if sampling.greedy:  # compare argmaxes: no vocabulary-sized one-hot q, no random draws
             verdict = accept_greedy(logits.argmax(-1)[None], proposal.tokens[None], tree)
@@ -202,8 +220,12 @@ def generate(verifier: StaticCausalLM, drafter: Drafter, prompt: list[int], max_
             probs = None if proposal.probs is None else proposal.probs[None]
             verdict = accept(target_probs(logits, sampling)[None], proposal.tokens[None], tree, probs, generator)
         path_tokens = proposal.tokens.gather(0, verdict.path[0].clamp_min(0)) if n else verdict.bonus[:0]
-        # The round's one host sync: accept length, path, its tokens and the bonus together.
-        a, *rest = torch.cat([verdict.accept_length, verdict.path[0], path_tokens, verdict.bonus]).tolist()
+        # The round's one host sync: accept length, path, its tokens, the bonus (and a probe's tokens) together.
+        read = [verdict.accept_length, verdict.path[0], path_tokens, verdict.bonus]
+        a, *rest = torch.cat(read + ([probed] if probe is not None else [])).tolist()
+        state.probed = None
+        if probe is not None:
+            rest, state.probed = rest[:-probed.numel()], rest[-probed.numel():]
         path_len = verdict.path.shape[1]
         new = rest[path_len:path_len + a] + [rest[-1]]
         last_slot = 1 + rest[a - 1] if a else 0

@@ -35,6 +35,29 @@ class DraftState:
     # (m, F), and the token that follows each of them, (m,).
     new_features: torch.Tensor | None = None
     new_tokens: torch.Tensor | None = None
+    # The verifier's greedy token after each row a proposal's Probe reads, on the host (None in rounds without one).
+    probed: list[int] | None = None
+
+
+@dataclass
+class Probe:
+    """Nodes a drafter runs in the verifier's forward for its own use (lookahead decoding's Jacobi window), after
+    the tree's: they see the context, the root and (``mask``) each other, no tree node sees them, and they are
+    never accepted. The decoder hands back the verifier's greedy token after each row of ``read`` in
+    ``DraftState.probed`` (within the round's one host read) before ``advance``.
+
+    Attributes:
+        tokens: (m,) token ids.
+        depth: (m,) positions after the root's.
+        mask: (m, m) bool, mask[r, c]: probe node r attends to probe node c (itself included; earlier nodes only,
+            as a wide batch-invariant forward runs in consecutive parts).
+        read: (r,) rows of [root, probe nodes...] whose greedy token comes back (0: the root's).
+    """
+
+    tokens: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+    read: torch.Tensor
 
 
 @dataclass
@@ -42,6 +65,7 @@ class Proposal:
     tokens: torch.Tensor  # (n,) one per tree node
     probs: torch.Tensor | None = None  # (n, V) for sampled chain drafts
     tree: Tree | None = None  # this round's tree, for drafters whose tree changes every round
+    probe: Probe | None = None  # nodes run beside the tree for the drafter's own use, never accepted
 
 
 class Drafter:

@@ -19,6 +19,7 @@ Imports only torch and transformers (and safetensors through the drafter loaders
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
@@ -30,8 +31,8 @@ from .costs import draft_cost, probe_state, verify_cost
 from .drafters import Autoregressive, HybridDrafter
 from .methods import DraftInputs, EvalMethod, bind_learned, make_trees, resolve_method
 from .planner import PLANNER_TREES, plan_speedups
-from .runs import (divergences, encode_turn, eos_ids, hf_generate_speed, identical_turns, in_loop_costs, run_prompts,
-                   summarize)
+from .runs import (HF_GENERATE, HFGenerate, divergences, encode_turn, eos_ids, identical_turns, in_loop_costs,
+                   run_prompts, speed_on, speedup_over, summarize)
 from .settings import EvalSettings, TreeKind
 from .setup import EvalResult, draft_vocab_of, load_drafter, refuse_draft_vocab
 from .static_model import StaticCausalLM
@@ -119,17 +120,15 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]],
     inputs = DraftInputs(runner, bound, draft_model)
 
     t0 = time.time()
-    ar_records = reference if reference is not None else run_prompts(runner, Autoregressive(), prompts, tokenizer,
-                                                                     use_template, s)
+    hf_prompts = len(prompts) if s.hf_generate is None else min(s.hf_generate, len(prompts))
+    hf = HFGenerate(model, tokenizer, s, hf_prompts) if hf_prompts else None
+    with hf or nullcontext():
+        records, shapes, specs, calibration = _decode(runner, method, s, bound, learned, inputs, prompts, tokenizer,
+                                                      use_template, reference, hf)
+    ar_records = records["ar"]
+    hf_speed = speed_on(records[HF_GENERATE], hf_prompts) if hf else None
     results = {"ar": summarize(ar_records, 0)}
     per_prompt = {"ar": ar_records}
-    calibration = None
-    if rank_trees and (s.costs or s.auto_nodes):  # rank accuracies measured on AR's outputs (the family's probe)
-        seqs = [t["sequence"] for r in ar_records for t in r["turns"]]
-        starts = [t["prompt_tokens"] for r in ar_records for t in r["turns"]]
-        calibration = bound.evaluator.calibrate(learned, runner, seqs, starts, temperature=max(s.temperature, 1.0),
-                                                decoding=sampling)
-    shapes = make_trees(s, bound, calibration)
 
     if s.costs:
         probe_prompt = encode_turn(tokenizer, [{"role": "user", "content": prompts[0][0]}], use_template)
@@ -138,22 +137,20 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]],
         cost_table = {"context_tokens": len(probe_prompt), "t_decode_ms": 1000 * t_decode, "settings": {}}
     t_verify, t_draft = {}, {}
     for shape in shapes:
-        name, shape_tree = shape.name, shape.tree
-        spec = method.drafter(s, shape, inputs)
-        records = run_prompts(runner, spec, prompts, tokenizer, use_template, s)
+        name, shape_tree, spec = shape.name, shape.tree, specs[shape.name]
         # A hybrid's lookup branch reaches its own depth whatever the learned tree's depth.
-        summary = summarize(records, max(shape_tree.max_depth, method.lookup_length(s, shape_tree)))
-        same = identical_turns(ar_records, records)
+        summary = summarize(records[name], max(shape_tree.max_depth, method.lookup_length(s, shape_tree)))
+        same = identical_turns(ar_records, records[name])
         summary.update(tree_size=spec.max_nodes, tree_paths=[list(p) for p in shape_tree.paths], draft_vocab=vocab_size,
                        speedup=results["ar"]["decode_ms_per_token"] / max(summary["decode_ms_per_token"], 1e-9),
                        identical_turns=same,
-                       identical_to_ar=sampling.greedy and same == sum(len(r["turns"]) for r in records))
+                       identical_to_ar=sampling.greedy and same == sum(len(r["turns"]) for r in records[name]))
         if s.min_confidence:  # chains only (checked): a cut chain's rounds verify fewer than k drafts
             summary["min_confidence"] = s.min_confidence
         if isinstance(spec, HybridDrafter):
             summary["lookup_round_fraction"] = round(spec.lookup_rounds / max(spec.rounds, 1), 4)
         if sampling.greedy:
-            summary["divergences"] = divergences(runner, spec, ar_records, records, s, eos_ids(tokenizer))
+            summary["divergences"] = divergences(runner, spec, ar_records, records[name], s, eos_ids(tokenizer))
         if calibration is not None and not shape_tree.is_chain:
             summary["expected_accept_length"] = expected_accept_length(shape_tree.paths, calibration["rank_accuracy"])
         summary.update(in_loop_costs(summary, results["ar"]))
@@ -170,17 +167,44 @@ def evaluate_drafter(verifier: Verifier, prompts: list[list[str]],
             if shape_tree.is_chain and shape.kind is not TreeKind.DYNAMIC:
                 t_verify[shape_tree.size], t_draft[shape_tree.size] = tv, td
         results[name] = summary
-        per_prompt[name] = records
+        per_prompt[name] = records[name]
+    for name, summary in results.items():  # every speed over both baselines: our AR (``speedup``) and HF's
+        summary["speedup_over_hf"] = None if hf is None else speedup_over(hf_speed, records[name])
     planner = None
     if s.costs and not s.min_confidence:  # a cut chain's α counts only the rounds its head extended: not a chain's
         planner = plan_speedups(s, method, results, shapes, inputs, calibration, state, t_decode, t_verify, t_draft,
                                 len(probe_prompt))
-    hf = hf_generate_speed(model, tokenizer, prompts, use_template, s, s.hf_generate)
     return EvalResult(
         method=method.name, device=str(device), dtype=str(param.dtype).replace("torch.", ""),
         sampling=asdict(sampling), batch_invariant=runner.batch_invariant, draft_vocab=vocab_size,
         num_prompts=len(prompts), max_new_tokens=s.max_new_tokens, chat_template=use_template, results=results,
         per_prompt=per_prompt, costs=cost_table if s.costs else None, planner=planner, calibration=calibration,
-        hf_generate=hf, compile=None if compile_seconds is None else {"seconds": compile_seconds,
+        hf_generate=hf_speed, compile=None if compile_seconds is None else {"seconds": compile_seconds,
                                                                        "buckets": list(runner.buckets)},
         eval_seconds=time.time() - t0, decoder=runner.path)
+
+
+def _decode(runner: StaticCausalLM, method: EvalMethod, s: EvalSettings, bound, learned, inputs: DraftInputs,
+            prompts: list[list[str]], tokenizer, use_template: bool, reference: list[dict] | None,
+            hf: HFGenerate | None) -> tuple[dict, list, dict, dict | None]:
+    """Every timed run, interleaved prompt by prompt (:func:`~.runs.run_prompts`): AR (unless ``reference``), HF
+    ``generate()`` and every setting's drafter. A family that calibrates its trees on AR's outputs gets AR (and HF)
+    over every prompt first, then the settings. Returns the records by name (``ar``, ``hf_generate``, each
+    setting), the shapes, their drafters and the calibration."""
+    ar = {} if reference is not None else {"ar": Autoregressive()}
+    calibration = None
+    first: dict = {}
+    if bound is not None and bound.evaluator.rank_trees and (s.costs or s.auto_nodes):
+        first = run_prompts(runner, ar, prompts, tokenizer, use_template, s, hf if ar else None) if ar else {}
+        ar_records = reference if reference is not None else first["ar"]
+        seqs = [t["sequence"] for r in ar_records for t in r["turns"]]
+        starts = [t["prompt_tokens"] for r in ar_records for t in r["turns"]]
+        calibration = bound.evaluator.calibrate(learned, runner, seqs, starts, temperature=max(s.temperature, 1.0),
+                                                decoding=s.sampling)
+        hf, ar = (None if ar else hf), {}  # HF ran beside AR, where AR ran
+    shapes = make_trees(s, bound, calibration)
+    specs = {shape.name: method.drafter(s, shape, inputs) for shape in shapes}
+    records = {**first, **run_prompts(runner, {**ar, **specs}, prompts, tokenizer, use_template, s, hf)}
+    if reference is not None:
+        records["ar"] = reference
+    return records, shapes, specs, calibration

@@ -214,16 +214,22 @@ def speed_text(card: dict, drafter_dir: Path) -> str:
         text += f"""
 **{sp['cpu']}** ({kind}: {sp['dtype']}):
 
-| head | setting | MT-bench ({sp['prompts']}) τ | draft / verify pass | speedup over AR, median (min–max) | same text as AR |
+| head | setting | MT-bench ({sp['prompts']}) τ | draft / verify pass | speedup over our AR loop, median (min–max) | same text as AR |
 |---|---|---|---|---|---|
 {lines}
 
 {sp['max_new_tokens']} new tokens; AR and each setting interleaved prompt by prompt, {sp['repeats']} repeats;
 `{sp['file']}` ({sp['date']}, `benchmarks/draft_heads.py`). A range that reaches 1.0× is no speedup on that CPU.{parted}
+{BASELINE_NOTE}
 """
     return text
 
 
+# Which plain decoding the card's speedups are over (draft_heads.py times no HF generate()).
+BASELINE_NOTE = ("Every speedup here is over spectrain's own plain decoding as it ran that day (the same loop with "
+                 "no drafter; in bf16 batch-invariant), not over HF `generate()`, which that file did not time: "
+                 "`spectrain-eval` now gives both (`speedup`, `speedup_over_hf`); our plain decoding against HF "
+                 "`generate()` per CPU class: [docs/results.md](../../docs/results.md) (`ar_vs_hf_*.json`).")
 PRETRAINED_BUDGET_MB = 45  # what pretrained/ may hold in all (tests/test_pretrained.py MAX_MB): two drafters and
 # the q8_0 GGUF of the one llama.cpp serves
 

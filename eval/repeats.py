@@ -45,8 +45,9 @@ def merge_repeats(passes: list[tuple[list[dict], list[dict], dict]]) -> tuple[li
 
 
 def summarize_runs(evals: list[dict]) -> dict:
-    """Per setting of the runs' ``results`` (AR left out): each run's τ, identity and speedup; the speedup's
-    median, min and max."""
+    """Per setting of the runs' ``results`` (AR left out): each run's τ, identity and speedup over our AR; the
+    speedup's median, min and max; where every run timed HF ``generate()`` beside them, the same of the speedup over
+    it (``speedup_over_hf``) and of our AR's (``ar_over_hf_runs``)."""
     settings = {}
     for name in evals[0]["results"]:
         if name == "ar":
@@ -57,4 +58,9 @@ def summarize_runs(evals: list[dict]) -> dict:
                           "speedup": statistics.median(speedups), "speedup_min": min(speedups),
                           "speedup_max": max(speedups), "speedup_runs": speedups,
                           "ar_tokens_per_second": [e["results"]["ar"]["tokens_per_second"] for e in evals]}
+        over_hf = [r.get("speedup_over_hf") for r in rows]
+        if None not in over_hf:
+            settings[name].update(speedup_over_hf=statistics.median(over_hf), speedup_over_hf_min=min(over_hf),
+                                  speedup_over_hf_max=max(over_hf), speedup_over_hf_runs=over_hf,
+                                  ar_over_hf_runs=[e["results"]["ar"]["speedup_over_hf"] for e in evals])
     return settings

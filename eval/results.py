@@ -49,12 +49,14 @@ from . import metrics
 from .cli import named_values
 from .drafters import check_min_match
 from .evaluate import EvalResult, EvalSettings, evaluate_drafter, load_drafter
+from .lookahead import GUESSES, NGRAM, WINDOW, check_lookahead, forward_rows
 from .families import evaluator_of, families_with
 from .prompts import prompt_rows
 from .runs import encode_turn, summarize
 from .static_model import default_batch_invariant
 
 PROMPT_SETS = ("mt_bench", "alpaca", "gsm8k")
+TRAINING_FREE = {"ngram": "prompt lookup (training-free)", "lookahead": "lookahead decoding (training-free)"}
 
 
 def published() -> list[dict]:
@@ -75,6 +77,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"(repeatable): {OUR_FORMAT} (a run directory) or a spectrain-export format; default: detected")
     p.add_argument("--ngram", action="store_true",
                    help="also measure prompt lookup (training-free; rows named 'ngram': the chain, no tree)")
+    p.add_argument("--lookahead", action="store_true",
+                   help="also measure lookahead decoding (training-free; rows named 'lookahead': guesses of N - 1 "
+                        "tokens, so the chain of N - 1, no tree)")
+    p.add_argument("--lookahead_window", type=int, default=WINDOW, metavar="W", help="lookahead's Jacobi window")
+    p.add_argument("--lookahead_ngram", type=int, default=NGRAM, metavar="N", help="lookahead's n-gram size")
+    p.add_argument("--lookahead_guesses", type=int, default=GUESSES, metavar="G",
+                   help="lookahead's n-grams verified a round")
     p.add_argument("--hybrid", action="append", default=[], metavar="NAME",
                    help="also measure prompt lookup + the --drafter NAME in one drafter (rows 'hybrid-NAME'; "
                         "repeatable); its trees hold the lookup branch within the same --tree_nodes budget")
@@ -85,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "probability q(c), so only long matches pay)")
     p.add_argument("--sampled", action="append", default=[], metavar="NAME",
                    help="also measure this row's chain at --sampled_temperature (repeatable; a --drafter name, "
-                        "'ngram' or 'hybrid-NAME')")
+                        "'ngram', 'lookahead' or 'hybrid-NAME')")
     p.add_argument("--mt_bench", default="", help="MT-bench questions jsonl ('turns', 'category'; skipped when empty)")
     p.add_argument("--alpaca", default="", help="Alpaca-80 jsonl ('instruction', 'input'; skipped when empty)")
     p.add_argument("--gsm8k", default="", help="GSM8K jsonl ('question'; skipped when empty)")
@@ -176,8 +185,8 @@ def parse_drafters(specs: list[str]) -> dict[str, str]:
             raise SpectrainError(f"--drafter takes NAME=PATH, got {spec!r}")
         if "__" in name or "/" in name:
             raise SpectrainError(f"--drafter name {name!r} may not contain '__' or '/'")
-        if name == "ngram" or name.startswith("hybrid-"):
-            raise SpectrainError(f"--drafter name {name!r} is reserved for the --ngram / --hybrid rows")
+        if name in TRAINING_FREE or name.startswith("hybrid-"):
+            raise SpectrainError(f"--drafter name {name!r} is reserved for the --ngram / --lookahead / --hybrid rows")
         if name in drafters:
             raise SpectrainError(f"--drafter name {name!r} given twice")
         if not Path(path).exists():
@@ -208,6 +217,8 @@ def rows_key(args, name: str, path: str, formats: dict[str, str]) -> str:
     are new rows); prompt lookup alone has no weights."""
     if name == "ngram":
         return "ngram-max3"
+    if name == "lookahead":
+        return f"lookahead-w{args.lookahead_window}n{args.lookahead_ngram}g{args.lookahead_guesses}"
     learned = name.removeprefix("hybrid-")
     hybrid = f"-hybrid-m{args.min_match}s{args.min_match_sampled}" if name != learned else ""
     return fingerprint(path) + hybrid + (f"-as-{formats[learned]}" if learned in formats else "")
@@ -219,18 +230,22 @@ def plan_rows(args, drafters: dict[str, str], sets: dict[str, list[dict]]) -> li
     if unknown:
         raise SpectrainError(f"--sampled names no --drafter: {unknown}")
     rows = []  # set by set, so a partial run already has whole sets
+
+    def chain(name: str) -> str:  # lookahead's guesses are N - 1 tokens long: its chain
+        return f"chain-{args.lookahead_ngram - 1 if name == 'lookahead' else args.k}"
+
     if "mt_bench" in sets:
         for name in drafters:
-            rows.append({"drafter": name, "set": "mt_bench", "setting": f"chain-{args.k}", "temperature": 0.0})
-            if args.tree_nodes and name != "ngram":
+            rows.append({"drafter": name, "set": "mt_bench", "setting": chain(name), "temperature": 0.0})
+            if args.tree_nodes and name not in TRAINING_FREE:
                 rows.append({"drafter": name, "set": "mt_bench", "setting": f"tree-{args.tree_nodes}",
                              "temperature": 0.0})
             if name in args.sampled:
-                rows.append({"drafter": name, "set": "mt_bench", "setting": f"chain-{args.k}",
+                rows.append({"drafter": name, "set": "mt_bench", "setting": chain(name),
                              "temperature": args.sampled_temperature})
     for other in ("alpaca", "gsm8k"):
         if other in sets:
-            rows.extend({"drafter": name, "set": other, "setting": f"chain-{args.k}", "temperature": 0.0}
+            rows.extend({"drafter": name, "set": other, "setting": chain(name), "temperature": 0.0}
                         for name in drafters)
     for r in rows:
         r["key"] = f"{r['drafter']}__{r['set']}__{r['setting']}__T{r['temperature']:g}"
@@ -250,8 +265,9 @@ def settings_from_args(args, max_len: int) -> EvalSettings:
     """What every row and greedy reference decodes with, from the flags (the one place): the chat template, one
     KV-cache size for every row, no cost probes, no HF timing; each row varies it (:func:`row_options`)."""
     return EvalSettings(k=args.k, max_new_tokens=args.max_new_tokens, seed=args.seed, min_match=args.min_match,
-                        min_match_sampled=args.min_match_sampled, chat_template=True, hf_generate=0, costs=False,
-                        max_len=max_len)
+                        min_match_sampled=args.min_match_sampled, lookahead_window=args.lookahead_window,
+                        lookahead_ngram=args.lookahead_ngram, lookahead_guesses=args.lookahead_guesses,
+                        chat_template=True, hf_generate=0, costs=False, max_len=max_len)
 
 
 class Context:
@@ -268,7 +284,9 @@ class Context:
         context = max_context(self.verifier.config)
         longest = max(len(encode_turn(self.tokenizer, [{"role": "user", "content": turns[0]}], True))
                       for prompts in self.prompts.values() for turns in prompts)
-        self.max_len = longest + args.max_new_tokens + max(args.tree_nodes, args.k) + 2
+        widest = forward_rows(args.lookahead_window, args.lookahead_ngram, args.lookahead_guesses) - 1 \
+            if args.lookahead else 0  # lookahead's window runs beside its guesses
+        self.max_len = longest + args.max_new_tokens + max(args.tree_nodes, args.k, widest) + 2
         if self.max_len > context:
             raise SpectrainError(f"the longest prompt ({longest} tokens) + --max_new_tokens {args.max_new_tokens} "
                                  f"exceeds the verifier's context of {context}")
@@ -299,6 +317,11 @@ def row_options(ctx: Context, row: dict, path: str) -> tuple[RowCall, dict]:
     base = replace(ctx.settings, temperature=row["temperature"])
     if name == "ngram":
         return RowCall("ngram", None, replace(base, k=args.k)), {"tree": "chain", "nodes": args.k}
+    if name == "lookahead":  # its method sets the chain to N - 1
+        w, n, g = args.lookahead_window, args.lookahead_ngram, args.lookahead_guesses
+        return RowCall("lookahead", None, replace(base, k=n - 1)), {
+            "tree": f"lookahead: up to {g} guesses of {n - 1} tokens + a {w} x {n - 1} Jacobi window",
+            "nodes": forward_rows(w, n, g) - 1, "window": w, "ngram": n, "guesses": g}
     hybrid = name.startswith("hybrid-")
     learned = ctx.drafter(name[len("hybrid-"):] if hybrid else name, path)
     family = family_of(learned)  # a drafter of no registered family is refused, never labelled another's
@@ -430,8 +453,11 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
         drafters[f"hybrid-{name}"] = learned[name]
     if args.ngram:
         drafters["ngram"] = ""
+    if args.lookahead:
+        check_lookahead(args.lookahead_window, args.lookahead_ngram, args.lookahead_guesses)
+        drafters["lookahead"] = ""
     if not drafters:
-        raise SpectrainError("nothing to measure: give --drafter NAME=PATH and/or --ngram")
+        raise SpectrainError("nothing to measure: give --drafter NAME=PATH, --ngram and/or --lookahead")
     check_min_match(args.min_match, args.min_match_sampled)
     if args.hybrid and args.tree_nodes and args.tree_nodes <= args.k:
         raise SpectrainError(f"--tree_nodes {args.tree_nodes} leaves no room beside the hybrid's lookup branch of "
@@ -478,7 +504,7 @@ def results(args: argparse.Namespace, command: str = "spectrain-results", log=pr
             result = measure_row(ctx, row, drafters[row["drafter"]], reference(row["set"])["records"], sets[row["set"]])
             path_ = drafters[row["drafter"]]
             result.update(fingerprint=prints[row["drafter"]], drafter_path=str(Path(path_).resolve()) if path_ else None,
-                          training=training_info(path_) if path_ else {"method": "prompt lookup (training-free)"})
+                          training=training_info(path_) if path_ else {"method": TRAINING_FREE[row["drafter"]]})
             write_json(path, result)  # atomic: a kill leaves the row whole or absent
             log(f"results: row {i}/{len(rows)} {row['key']}: tau {result['tau']:.3f} ({result['seconds']} s)")
         done.append(result)

@@ -1,7 +1,8 @@
-"""An evaluation's runs and summaries: every prompt's turns decoded with one setting's drafter
-(:func:`run_prompts`), a setting's τ, α, histogram and speeds (:func:`summarize`, :func:`in_loop_costs`), its T = 0
-partings from AR measured where they part (:func:`divergences`) and HF ``generate()``'s speed
-(:func:`hf_generate_speed`)."""
+"""An evaluation's runs and summaries: every prompt's turns decoded by AR, HF ``generate()`` and each setting's
+drafter, interleaved prompt by prompt (:func:`run_prompts`), a setting's τ, α, histogram and speeds
+(:func:`summarize`, :func:`in_loop_costs`), its speed against HF ``generate()`` on the same turns
+(:func:`speed_on`, :func:`speedup_over`) and its T = 0 partings from AR measured where they part
+(:func:`divergences`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from .drafters import Autoregressive, Drafter
 from .settings import EvalSettings
 from .static_model import StaticCausalLM
 
+HF_GENERATE = "hf_generate"  # HF generate()'s records in run_prompts' answer
+
 
 def encode_turn(tokenizer, history: list[dict], use_template: bool) -> list[int]:
     if use_template:
@@ -29,25 +32,67 @@ def eos_ids(tokenizer) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
 
-def run_prompts(runner: StaticCausalLM, drafter: Drafter, prompts: list[list[str]], tokenizer, use_template: bool,
-                s: EvalSettings) -> list[dict]:
-    """Generate every turn of every prompt (later turns see the earlier answers, as MT-bench does)."""
-    generator = torch.Generator(device=runner.device).manual_seed(s.seed)
+def run_prompts(runner: StaticCausalLM, drafters: dict[str, Drafter], prompts: list[list[str]], tokenizer,
+                use_template: bool, s: EvalSettings, hf: "HFGenerate | None" = None) -> dict[str, list[dict]]:
+    """Every turn of every prompt by each of ``drafters`` (and by ``hf`` on its first ``hf.prompts``), interleaved:
+    prompt 0 by each in turn, then prompt 1, ..., the order rotated by one from each prompt to the next, so that a
+    slower or busier stretch of the machine, and the cache another decoder left cold, fall on every decoder alike.
+    Later turns see the decoder's own earlier answers, as MT-bench does. Each drafter draws from a generator of its
+    own, seeded alike. AR and HF are warmed up first on the first turn (untimed).
+
+    Returns:
+        per name (``HF_GENERATE`` for ``hf``), one record per prompt: ``{"prompt": i, "turns": [turn_record]}``.
+    """
     eos = eos_ids(tokenizer)
-    records = []
+    baselines = {name: d for name, d in drafters.items() if isinstance(d, Autoregressive)}  # AR, then HF, then the rest
+    decoders = {name: _ours(runner, d, s, eos) for name, d in baselines.items()}
+    decoders.update({HF_GENERATE: hf.decode} if hf is not None else {})
+    decoders.update({name: _ours(runner, d, s, eos) for name, d in drafters.items() if name not in baselines})
+    first = encode_turn(tokenizer, [{"role": "user", "content": prompts[0][0]}], use_template)
+    for drafter in baselines.values():  # the baselines' warm-up (a generator of its own: the timed runs' is kept)
+        _ours(runner, drafter, s, eos)(first, min(s.max_new_tokens, 8))
+    if hf is not None:
+        hf.decode(first, min(s.max_new_tokens, 8))
+    records = {name: [] for name in decoders}
+    names = list(decoders)
     for i, turns in enumerate(prompts):
-        history, record = [], {"prompt": i, "turns": []}
-        for turn in turns:
-            history.append({"role": "user", "content": turn})
-            ids = encode_turn(tokenizer, history, use_template)
-            if len(ids) + s.max_new_tokens + drafter.max_nodes + 1 > runner.max_len:
-                raise SpectrainError(f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {s.max_new_tokens} "
-                                     f"exceed the verifier's context of {runner.max_len}")
-            gen = generate(runner, drafter, ids, s.max_new_tokens, s.sampling, eos, generator)
-            history.append({"role": "assistant", "content": tokenizer.decode(gen.tokens, skip_special_tokens=True)})
-            record["turns"].append(turn_record(ids, gen))
-        records.append(record)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            if name == HF_GENERATE and i >= hf.prompts:
+                continue
+            decode = decoders[name]
+            draft = 0 if name == HF_GENERATE else drafters[name].max_nodes + 1  # HF's cache grows as it goes
+            records[name].append(_prompt(i, turns, decode, tokenizer, use_template, s.max_new_tokens,
+                                         runner.max_len - draft))
     return records
+
+
+def _ours(runner: StaticCausalLM, drafter: Drafter, s: EvalSettings, eos: set[int]):
+    """Our loop with ``drafter`` as a ``decode(ids, max_new_tokens) -> turn record`` function."""
+    generator = torch.Generator(device=runner.device).manual_seed(s.seed)
+
+    def decode(ids: list[int], max_new_tokens: int) -> dict:
+        if not runner.buckets:  # eager: each drafter's forwards keep only the layers it reads
+            runner.capture = drafter.capture_layers
+        return turn_record(ids, generate(runner, drafter, ids, max_new_tokens, s.sampling, eos, generator))
+
+    return decode
+
+
+def _prompt(i: int, turns: list[str], decode, tokenizer, use_template: bool, max_new_tokens: int,
+            room: int) -> dict:
+    """One prompt's turns by one decoder; ``room``: the positions a turn's prompt and new tokens may take."""
+    history, record = [], {"prompt": i, "turns": []}
+    for turn in turns:
+        history.append({"role": "user", "content": turn})
+        ids = encode_turn(tokenizer, history, use_template)
+        if len(ids) + max_new_tokens > room:
+            raise SpectrainError(f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {max_new_tokens} "
+                                 f"exceed the {room} positions the decoder's cache leaves them")
+        turn_record_ = decode(ids, max_new_tokens)
+        history.append({"role": "assistant", "content": tokenizer.decode(turn_record_["tokens"],
+                                                                          skip_special_tokens=True)})
+        record["turns"].append(turn_record_)
+    return record
 
 
 def turn_record(ids: list[int], gen) -> dict:
@@ -182,36 +227,83 @@ def divergences(runner: StaticCausalLM, spec: Drafter, ar_records: list[dict], s
         "cases": cases}
 
 
-def hf_generate_speed(model, tokenizer, prompts: list[list[str]], use_template: bool, s: EvalSettings,
-                      n: int) -> dict | None:
-    """HF ``generate()`` tokens/s on the first n prompts (greedy or sampled as configured, warm-up excluded)."""
-    if n <= 0:
-        return None
-    ids = [encode_turn(tokenizer, [{"role": "user", "content": p[0]}], use_template) for p in prompts[:n]]
-    kwargs = dict(max_new_tokens=s.max_new_tokens, do_sample=s.temperature > 0, pad_token_id=tokenizer.pad_token_id)
-    if s.temperature > 0:
-        kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None)
-    device = next(model.parameters()).device
-    compiled = s.compile and device.type == "cuda"
-    forward = model.forward
-    if compiled:  # HF's fast path: static cache + compiled forward
-        kwargs["cache_implementation"] = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    try:
-        # Warm-up (and compilation) excluded: compiled, every prompt length is a prefill shape of its own.
-        for x in (ids if compiled else ids[:1]):
-            for _ in range(2 if compiled else 1):
-                model.generate(torch.tensor([x], device=device), **kwargs)
-        tokens, seconds = 0, 0.0
-        for x in ids:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = model.generate(torch.tensor([x], device=device), **kwargs)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds += time.perf_counter() - t0
-            tokens += out.shape[1] - len(x)
-    finally:
-        model.forward = forward  # the caller's model is left as it was given
-    return {"prompts": len(ids), "new_tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9)}
+class _FirstToken:
+    """A ``generate()`` streamer that stamps when the first new token arrives (its second ``put``: the first is
+    the prompt): the end of HF's prefill, so that its decode time is timed as ours is."""
+
+    def __init__(self):
+        self.puts, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class HFGenerate:
+    """HF ``generate()`` on the verifier as one more decoder of :func:`run_prompts` (greedy or sampled as
+    configured), on its first ``prompts`` prompts. Open it (``with``) around the runs: on CUDA with ``compile`` its
+    forward runs compiled over HF's static cache while it is open, and each prompt length is compiled and warmed
+    up before its timed run."""
+
+    def __init__(self, model, tokenizer, s: EvalSettings, prompts: int):
+        self.model, self.prompts = model, prompts
+        self.device = next(model.parameters()).device
+        self.kwargs = dict(do_sample=s.temperature > 0, pad_token_id=tokenizer.pad_token_id)
+        if s.temperature > 0:
+            self.kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None)
+        self.compiled = s.compile and self.device.type == "cuda"
+        self.eos = eos_ids(tokenizer)
+        self._forward = None
+
+    def __enter__(self) -> "HFGenerate":
+        self._forward = self.model.forward
+        if self.compiled:  # HF's fast path: static cache + compiled forward
+            self.kwargs["cache_implementation"] = "static"
+            self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.forward = self._forward  # the caller's model is left as it was given
+
+    def decode(self, ids: list[int], max_new_tokens: int) -> dict:
+        """One turn: its tokens and times as :func:`turn_record` keeps ours (prefill: up to the first new token)."""
+        x = torch.tensor([ids], device=self.device)
+        for _ in range(2 if self.compiled else 0):  # compilation and warm-up of this prefill shape, untimed
+            self.model.generate(x, max_new_tokens=max_new_tokens, **self.kwargs)
+        clock = _FirstToken()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.model.generate(x, max_new_tokens=max_new_tokens, streamer=clock, **self.kwargs)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        tokens = out[0, len(ids):].tolist()
+        first = clock.first or t1
+        return {"prompt_tokens": len(ids), "new_tokens": len(tokens), "prefill_seconds": first - t0,
+                "decode_seconds": t1 - first, "stop": "eos" if tokens and tokens[-1] in self.eos else "length",
+                "tokens": tokens, "sequence": ids + tokens}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def speed_on(records: list[dict], prompts: int) -> dict:
+    """Tokens/s (prefill included) and decode ms per token (the tokens after each turn's first, which the prefill
+    makes) over every turn of the first ``prompts`` prompts: what HF ``generate()`` ran, for any decoder."""
+    turns = [t for r in records[:prompts] for t in r["turns"]]
+    new = sum(t["new_tokens"] for t in turns)
+    decode = sum(t["decode_seconds"] for t in turns)
+    total = decode + sum(t["prefill_seconds"] for t in turns)
+    return {"prompts": min(prompts, len(records)), "turns": len(turns), "new_tokens": new,
+            "tokens_per_second": new / max(total, 1e-9),
+            "decode_ms_per_token": 1000 * decode / max(sum(t["new_tokens"] - 1 for t in turns), 1)}
+
+
+def speedup_over(baseline: dict, records: list[dict]) -> float:
+    """A decoder's decode speed over ``baseline``'s (:func:`speed_on`), on the turns the baseline ran."""
+    return baseline["decode_ms_per_token"] / max(speed_on(records, baseline["prompts"])["decode_ms_per_token"], 1e-9)

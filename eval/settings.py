@@ -13,6 +13,7 @@ from spectrain.heads.errors import SpectrainError
 from .accept import Sampling
 from .drafters import check_min_match
 from .family_evaluator import check_min_confidence_value
+from .lookahead import GUESSES, WINDOW, check_lookahead
 from .static_model import PATHS
 from .tree import Tree
 
@@ -88,12 +89,15 @@ class EvalSettings:
             prefix with predicted whole-prefix acceptance >= this (drafters with a confidence head; 0: every
             draft; chains only).
         draft_layers: the verifier layers ``truncated`` keeps.
+        lookahead_window, lookahead_ngram, lookahead_guesses: ``lookahead``'s W (Jacobi window columns), N (n-gram
+            size, the window's N - 1 levels; None: k + 1, so its guesses are the chain's k tokens; a larger N's
+            guesses are cut to k) and G (guesses verified a round).
         min_match, min_match_sampled: a hybrid's lookup threshold at T = 0 and at T > 0.
         max_new_tokens: tokens generated per turn.
         temperature, top_p, top_k: decoding (T = 0: greedy, where every output must equal AR's).
         chat_template: render turns with the tokenizer's chat template (None: when it has one).
         compile: compile one graph per verify size, warmed up before anything is timed.
-        hf_generate: prompts also timed with HF ``generate()`` (0: skip).
+        hf_generate: prompts also decoded by HF ``generate()``, interleaved with ours (None: every prompt; 0: skip).
         costs: probe verify / draft costs in isolation and run the planner (without them a rank-tree drafter is
             calibrated only when ``tree`` is ``auto:N``).
         max_len: KV-cache positions (None: what the longest prompt's turns need).
@@ -111,6 +115,9 @@ class EvalSettings:
     lookup: int = 0
     min_confidence: float = 0.0
     draft_layers: int = 1
+    lookahead_window: int = WINDOW
+    lookahead_ngram: int | None = None
+    lookahead_guesses: int = GUESSES
     min_match: int = 2
     min_match_sampled: int = 4
     max_new_tokens: int = 128
@@ -119,7 +126,7 @@ class EvalSettings:
     top_k: int = 0
     chat_template: bool | None = None
     compile: bool = False
-    hf_generate: int = 3
+    hf_generate: int | None = None
     costs: bool = True
     max_len: int | None = None
     seed: int = 0
@@ -139,6 +146,8 @@ class EvalSettings:
         if not isinstance(self.lookup, int) or isinstance(self.lookup, bool) or self.lookup < 0:
             raise SpectrainError(f"--lookup must be an integer >= 0 (0: k), got {self.lookup!r}")
         _integer("draft_layers", self.draft_layers, 1)
+        check_lookahead(self.lookahead_window, 2 if self.lookahead_ngram is None else self.lookahead_ngram,
+                        self.lookahead_guesses)  # N against k: the lookahead method's check
         for name in ("min_match", "min_match_sampled"):
             _integer(name, getattr(self, name))
         check_min_match(self.min_match, self.min_match_sampled)
@@ -159,7 +168,8 @@ class EvalSettings:
         _optional_bool("compile", self.compile)
         _optional_bool("costs", self.costs)
         _optional_bool("batch_invariant", self.batch_invariant, "by device and dtype")
-        _integer("hf_generate", self.hf_generate, 0, " (0: skip)")
+        if self.hf_generate is not None:
+            _integer("hf_generate", self.hf_generate, 0, " (0: skip; None: every prompt)")
         if self.max_len is not None:
             _integer("max_len", self.max_len, 1, " (None: what the prompts need)")
         _integer("seed", self.seed)
@@ -171,6 +181,11 @@ class EvalSettings:
     @property
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def lookahead_n(self) -> int:
+        """``lookahead``'s N: ``lookahead_ngram``, else k + 1 (its guesses the chain's k tokens)."""
+        return self.lookahead_ngram if self.lookahead_ngram is not None else self.k + 1
 
     @property
     def auto_nodes(self) -> int | None:

@@ -26,7 +26,8 @@ import time
 import torch
 from torch import nn
 
-from spectrain.eval.attention import grouped_attention
+from spectrain.eval.attention import plan_attention
+from spectrain.eval.llama_layer import decoder_weights, layer_forward
 from spectrain.eval.native import LayerPath, unserved_reason
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.verifier import LogitTransform
@@ -38,11 +39,7 @@ ATTENTION_ROWS = 16  # query rows per attention call in batch-invariant decoding
 # (and its reduction order) past 32 rows (measured on SmolLM2's shapes, torch 2.13, AMX: 33-41 rows on).
 # Batch-invariant forwards wider than this run as consecutive sub-forwards of at most this many rows.
 INVARIANT_ROWS = 32
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+SPAN_STEP = 32  # batch-invariant attention spans: a row's slot + 1 rounded up to this
 
 
 class KVCache(nn.Module):
@@ -172,6 +169,10 @@ class StaticCausalLM:
         # The model's own layers through our cache, masks and attention function (refused with the reason when
         # they cannot take them); None on the hand-written path.
         self.layers = LayerPath(model, self.cache, self.attention_rows) if self.path == "layers" else None
+        # The hand-written layers' weights as their forward uses them (fused and packed copies on a CPU where
+        # they fit: eval/llama_layer.py); None on the model's own layers.
+        self.weights = decoder_weights(self.inner, self.lm_head, self.device) if self.layers is None else None
+        self.groups = config.num_attention_heads // self.kv_heads  # query heads per KV head
         self.buckets: tuple[int, ...] = ()  # the compiled forward sizes (static runs; see compile())
         self._compiled = None
         self._padding: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -223,32 +224,33 @@ class StaticCausalLM:
             mask = self.chain_mask(n)
         if not self.static:
             span = self.length + n  # attend over the filled part only
-            out, self.aux = self._forward_layers(input_ids, positions, mask[:, :span], slots, span)
+            out, self.aux = self._forward_layers(input_ids, positions, mask[:, :span], slots, [(0, n, span)])
             return out
         if self.max_rows is None or n <= self.max_rows:
-            return self._static_run(input_ids, positions, mask, slots)
+            return self._static_run(input_ids, positions, mask, slots, self.length)
         # Batch-invariant and wider than the matmuls stay invariant: consecutive sub-forwards. Each writes its
         # slots before attending, and a row's mask admits only earlier slots (its chain or tree ancestors) and
         # itself, so later sub-forwards see the K/V the earlier ones wrote: the same attention as one forward.
         outs, auxes = [], []
         for start in range(0, n, self.max_rows):
             part = slice(start, start + self.max_rows)
-            outs.append(self._static_run(input_ids[part], positions[part], mask[part], slots[part]))
+            outs.append(self._static_run(input_ids[part], positions[part], mask[part], slots[part], self.length + start))
             auxes.append(self.aux)
         self.aux = None if auxes[0] is None else torch.cat(auxes)
         return torch.cat(outs)
 
-    def _static_run(self, input_ids, positions, mask, slots):
-        """One static-shape forward of n rows (padded to a compiled size, or to ``min_rows``): (n, H)."""
+    def _static_run(self, input_ids, positions, mask, slots, first):
+        """One static-shape forward of n rows at slots ``first..`` (padded to a compiled size, or to
+        ``min_rows``): (n, H)."""
         n = input_ids.shape[0]
         size = self.bucket(n)
         if size is None and n < self.min_rows:  # batch-invariant: a 1-row forward runs as 2 rows, eagerly
             input_ids, positions, mask, slots = self._pad(self.min_rows - n, input_ids, positions, mask, slots)
-            out, aux = self._forward_layers(input_ids, positions, mask, slots, self.width)
+            out, aux = self._forward_layers(input_ids, positions, mask, slots, self.row_spans(first, n, self.min_rows))
             self.aux = None if aux is None else aux[:n]
             return out[:n]
         if size is None:  # past every compiled size (a long prefill), or nothing compiled: eager, static shapes
-            out, self.aux = self._forward_layers(input_ids, positions, mask, slots, self.width)
+            out, self.aux = self._forward_layers(input_ids, positions, mask, slots, self.row_spans(first, n, n))
             return out
         if size > n:
             input_ids, positions, mask, slots = self._pad(size - n, input_ids, positions, mask, slots)
@@ -259,33 +261,56 @@ class StaticCausalLM:
         self.aux = None if aux is None else aux[:n].clone()
         return out[:n].clone()
 
+    def row_spans(self, first: int, n: int, total: int) -> list[tuple[int, int, int]]:
+        """The cache slots each row of a static forward attends over, as (start, stop, span) row ranges: the
+        ``n`` rows at slots ``first..first+n-1`` and ``total - n`` padding rows after them (attending as the
+        last row does).
+
+        Batch-invariant on the hand-written layers, nothing compiled: a row at slot s attends over the first
+        ``min(width, (s // SPAN_STEP + 1) * SPAN_STEP)`` slots — a function of its slot alone, so an AR step and
+        the same row in a verify pass make the same attention call (the fused kernel's result depends on the
+        span, not only on the slots the mask admits), and an AR step attends over about its context, not the
+        whole buffer. Every row's mask admits no slot after its own (chains, tree ancestors, lookahead's window:
+        what sub-forwards need too). Otherwise one range over the whole width.
+        """
+        if not self.batch_invariant or self._compiled is not None or self.layers is not None:
+            return [(0, total, self.width)]
+        ranges, row = [], 0
+        while row < n:
+            span = min(self.width, ((first + row) // SPAN_STEP + 1) * SPAN_STEP)
+            ranges.append((row, min(n, span - first), span))  # the rows whose slots lie below span
+            row = ranges[-1][1]
+        ranges[-1] = (ranges[-1][0], total, ranges[-1][2])  # padding rows attend as the last row does
+        return ranges
+
     def bucket(self, n: int) -> int | None:
         """The compiled size a forward of n tokens runs at: the smallest one >= n (None past them all)."""
         return next((b for b in self.buckets if b >= n), None)
 
     def _pad(self, extra: int, input_ids, positions, mask, slots):
-        """Append ``extra`` padding rows: they write the scratch slot, attend only to it, and are cut off."""
+        """Append ``extra`` padding rows: they write the scratch slot past ``max_len``, attend as the last row
+        does, and are cut off."""
         if extra not in self._padding:
-            pad_mask = torch.zeros(extra, self.width, dtype=torch.bool, device=self.device)
-            pad_mask[:, self.max_len] = True
-            self._padding[extra] = (pad_mask, torch.full((extra,), self.max_len, device=self.device))
-        pad_mask, pad_slots = self._padding[extra]
-        return (torch.cat([input_ids, input_ids.new_zeros(extra)]), torch.cat([positions, positions[-1:].expand(extra)]),
-                torch.cat([mask, pad_mask]), torch.cat([slots, pad_slots]))
+            self._padding[extra] = torch.full((extra,), self.max_len, device=self.device)
+        last = slice(-1, None)
+        return (torch.cat([input_ids, input_ids.new_zeros(extra)]), torch.cat([positions, positions[last].expand(extra)]),
+                torch.cat([mask, mask[last].expand(extra, -1)]), torch.cat([slots, self._padding[extra]]))
 
-    def _forward_layers(self, input_ids, positions, mask, slots, span):
-        """The forward as a pure function of tensors (CUDA: ``span == max_len``, so shapes depend on n only):
-        (n, H) final hidden states and the captured layers (n, len(capture) * H), or None."""
+    def _forward_layers(self, input_ids, positions, mask, slots, ranges):
+        """The forward as a pure function of tensors (CUDA: one range over the whole width, so shapes depend on n
+        only): (n, H) final hidden states and the captured layers (n, len(capture) * H), or None. ``ranges``:
+        (start, stop, span) row ranges and the slots they attend over (:meth:`row_spans`)."""
         if self.layers is not None:
-            return self.layers.forward(input_ids, positions, mask, slots, span, self.capture)
+            return self.layers.forward(input_ids, positions, mask, slots, ranges[-1][2], self.capture)
         x = self.inner.embed_tokens(input_ids)[None]  # (1, n, H)
         cos, sin = self.inner.rotary_emb(x, positions[None])
         cos, sin = cos[:, None], sin[:, None]  # (1, 1, n, d)
-        mask = mask[None, None]
+        plan = plan_attention(mask, self.groups, self.attention_rows, ranges, self.dtype)  # once for every layer
         captured = []
         last = len(self.inner.layers)
-        for i, layer in enumerate(self.inner.layers):
-            x = self._layer(i, layer, x, cos, sin, slots, mask, span)
+        for i in range(last):
+            x = layer_forward(self.weights, i, x, cos, sin, self.cache.k[i], self.cache.v[i], slots, plan,
+                              self.head_dim, self.scaling)
             if i + 1 in self.capture and i + 1 < last:  # HF hidden_states[i+1]: the output of layer i
                 captured.append(x[0])
         out = self.inner.norm(x)[0]
@@ -309,6 +334,8 @@ class StaticCausalLM:
             raise SpectrainError("compile() needs static shapes: StaticCausalLM(..., static=True) (the CUDA default)")
         if self.length:
             raise SpectrainError("compile() warms up on an empty cache: call it before decoding")
+        if self.weights is not None and self.weights.copied:  # Inductor takes the module's plain weights
+            self.weights = decoder_weights(self.inner, self.lm_head, self.device, copy=False)
         cap = self.max_rows or self.max_len  # batch-invariant: a wider forward runs as sub-forwards of max_rows
         self.buckets = tuple(sorted({min(max(int(s), self.min_rows), cap) for s in sizes if 1 <= int(s) <= self.max_len}))
         if not self.buckets:
@@ -333,27 +360,7 @@ class StaticCausalLM:
         return time.perf_counter() - t0
 
     def _static_forward(self, input_ids, positions, mask, slots):
-        return self._forward_layers(input_ids, positions, mask, slots, self.width)
-
-    def _layer(self, i, layer, x, cos, sin, slots, mask, span):
-        """One decoder layer: attention over the cache through ``mask`` (1, 1, n, span), then the MLP."""
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        shape = (1, x.shape[1], -1, self.head_dim)
-        q = attn.q_proj(h).view(shape)
-        k = attn.k_proj(h).view(shape)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        self.cache.k[i].index_copy_(2, slots, k.to(self.dtype))
-        self.cache.v[i].index_copy_(2, slots, v.to(self.dtype))
-        keys, values = self.cache.k[i][:, :, :span], self.cache.v[i][:, :, :span]
-        out = grouped_attention(q, keys, values, mask, self.scaling, self.attention_rows)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._forward_layers(input_ids, positions, mask, slots, [(0, input_ids.shape[0], self.width)])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., V) in fp32, as the model's head computes them (its family's :class:`LogitTransform`,
@@ -362,14 +369,20 @@ class StaticCausalLM:
             logits = torch.cat([self._head_rows(hidden[i:i + self.max_rows])
                                 for i in range(0, hidden.shape[0], self.max_rows)])
         else:
-            logits = self.lm_head(hidden).float()
+            logits = self._head(hidden).float()
         return logits if self.logit_transform.identity else self.logit_transform(logits)
 
     def _head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, H) -> (n, V) fp32 for 1 <= n <= max_rows, a single row run as 2 (batch-invariant)."""
         if hidden.shape[0] >= self.min_rows:
-            return self.lm_head(hidden).float()
-        return self.lm_head(torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])]))[:1].float()
+            return self._head(hidden).float()
+        return self._head(torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])]))[:1].float()
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head's matmul (the hand-written path's copy of its weight, where it made one)."""
+        if self.weights is None:
+            return self.lm_head(hidden)
+        return self.weights.linear(hidden, *self.weights.head)
 
     # -- cache bookkeeping ------------------------------------------------------------------------------------------
     def commit(self, n: int, src_slots: torch.Tensor | None = None) -> None:

@@ -53,7 +53,14 @@ def test_eval_end_to_end(setup):
     # Multi-turn: each prompt has two generated turns, the second longer (it contains the first answer).
     turns = summary["per_prompt"]["ar"][0]["turns"]
     assert len(turns) == 2 and turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + turns[0]["new_tokens"] - 1
-    assert summary["hf_generate"]["new_tokens"] == turns[0]["new_tokens"]  # HF greedy stops where ours does
+    # HF generate() on the first prompt's two turns (--hf_generate 1), beside ours: greedy, it stops where ours does
+    hf = summary["hf_generate"]
+    assert hf["prompts"] == 1 and hf["turns"] == 2 and hf["new_tokens"] == sum(t["new_tokens"] for t in turns)
+    for r in results.values():  # every row's speed over both baselines
+        assert r["speedup_over_hf"] > 0 and r.get("speedup", 1.0) > 0  # AR is the first baseline
+    ar_ms = sum(t["decode_seconds"] for t in turns) * 1000 / sum(t["new_tokens"] - 1 for t in turns)
+    assert results["ar"]["speedup_over_hf"] == pytest.approx(hf["decode_ms_per_token"] / ar_ms)
+    assert "over HF" in proc.stdout and "interleaved on 1 prompts" in proc.stdout
     assert summary["planner"]["chains"] and summary["calibration"]["rank_accuracy"]
     assert (root / "out" / "alpha.png").is_file() and (root / "out" / "accept_hist.png").is_file()
     assert "tau" in proc.stdout
@@ -104,6 +111,39 @@ def test_the_api_takes_a_loaded_verifier_and_returns_a_result(setup):
         evaluate_drafter(verifier, prompts[:1], heads, settings, reference=first.per_prompt["ar"])
     with pytest.raises(SpectrainError, match="list of user turns"):
         evaluate_drafter(verifier, ["a bare string"], "none")
+
+
+def test_hf_generate_runs_interleaved_and_every_row_has_both_speedups(setup, monkeypatch):
+    """By default HF generate() decodes every prompt (all its turns), interleaved with AR and each setting prompt by
+    prompt, the order rotated from one prompt to the next; every row carries its speedup over our AR and over HF
+    generate() on the same turns."""
+    from spectrain.eval import runs
+    from spectrain.eval.evaluate import EvalSettings, evaluate_drafter
+
+    verifier = load_verifier(str(setup[1]))
+    calls = []
+    generate, decode = runs.generate, runs.HFGenerate.decode
+    monkeypatch.setattr(runs, "generate", lambda runner, drafter, ids, n, *a, **k: calls.append(
+        (type(drafter).__name__, n)) or generate(runner, drafter, ids, n, *a, **k))
+    monkeypatch.setattr(runs.HFGenerate, "decode", lambda self, ids, n: calls.append(("hf", n)) or decode(self, ids, n))
+    prompts = [["tell me of the king", "and the queen?"], ["the river ran fast"], ["a b c"]]
+    result = evaluate_drafter(verifier, prompts, "ngram", EvalSettings(k=3, max_new_tokens=10, chat_template=False,
+                                                                       costs=False))
+    ar, chain = "Autoregressive", "NgramDrafter"
+    assert calls[:2] == [(ar, 8), ("hf", 8)]  # the baselines' warm-up
+    assert calls[2:12] == [(ar, 10)] * 2 + [("hf", 10)] * 2 + [(chain, 10)] * 2 + [  # prompt 0, both turns each
+        ("hf", 10), (chain, 10), (ar, 10), (chain, 10)]  # prompts 1 and 2, rotated
+    assert calls[12:14] == [(ar, 10), ("hf", 10)]
+    hf = result.hf_generate
+    assert hf["prompts"] == 3 and hf["turns"] == 4 and hf["decode_ms_per_token"] > 0
+    for name, row in result.results.items():
+        turns = [t for r in result.per_prompt[name] for t in r["turns"]]
+        ms = 1000 * sum(t["decode_seconds"] for t in turns) / sum(t["new_tokens"] - 1 for t in turns)
+        assert row["speedup_over_hf"] == pytest.approx(hf["decode_ms_per_token"] / ms)
+    assert result.results["chain-3"]["speedup"] > 0
+    assert evaluate_drafter(verifier, prompts[:1], "none", EvalSettings(max_new_tokens=4, chat_template=False,
+                                                                        hf_generate=0)).results["ar"][
+        "speedup_over_hf"] is None
 
 
 def test_the_recorded_command_is_the_one_typed(setup, capsys):

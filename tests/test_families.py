@@ -330,8 +330,10 @@ def test_the_bigram_run_dir_is_refused_once_its_family_is_gone(tmp_path, bigram_
 def _row_ctx(drafter):
     from spectrain.eval.results import settings_from_args
 
-    args = SimpleNamespace(k=1, tree_nodes=8, tree_depth=2, tree_topk=2, min_match=2, min_match_sampled=4,
-                           max_new_tokens=8, seed=0)
+    from spectrain.eval.results import parse_args
+
+    args = parse_args([])  # every flag at its default, then the row's own
+    vars(args).update(k=1, tree_nodes=8, tree_depth=2, tree_topk=2, max_new_tokens=8, seed=0)
     return SimpleNamespace(args=args, drafter=lambda name, path: drafter, settings=settings_from_args(args, 64))
 
 

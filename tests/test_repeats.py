@@ -49,3 +49,8 @@ def test_repeat_eval_summarizes_each_setting_by_hand():
     assert summarize_runs(evals) == {"chain-4": {
         "tau": [2.5] * 3, "identical_to_ar": [True] * 3, "speedup": 1.10, "speedup_min": 0.95, "speedup_max": 1.30,
         "speedup_runs": [1.10, 0.95, 1.30], "ar_tokens_per_second": [100.0, 90.0, 95.0]}}
+    for e, (ar, chain) in zip(evals, ((1.2, 1.3), (1.1, 1.0), (1.25, 1.6))):  # HF generate() timed beside them
+        e["results"]["ar"]["speedup_over_hf"], e["results"]["chain-4"]["speedup_over_hf"] = ar, chain
+    hf = summarize_runs(evals)["chain-4"]
+    assert (hf["speedup_over_hf"], hf["speedup_over_hf_min"], hf["speedup_over_hf_max"]) == (1.3, 1.0, 1.6)
+    assert hf["speedup_over_hf_runs"] == [1.3, 1.0, 1.6] and hf["ar_over_hf_runs"] == [1.2, 1.1, 1.25]
