@@ -4,10 +4,11 @@
 On a CPU, where a decode step is a run of small matmuls whose fixed costs count, the weights are copied once per
 decoder when the copies fit :data:`COPY_BUDGET`: q / k / v fused into one matrix and gate / up into another (one
 matmul where there were three and two), and every matrix (the output head too) prepacked for oneDNN's
-inner-product kernel (``torch.ops.mkldnn``), which otherwise reorders a bf16 weight on every call (measured on a
-2-core AVX512-BF16 EPYC at SmolLM2-135M's shapes: a 2-row bf16 matmul 1.8-2.4x faster, fp32 2-5x;
-docs/results/ar_vs_hf_epyc_avx512.json). Packed rows equal each other however many run together (2 to 128 rows,
-bf16 and fp32, measured on that CPU; ``tests/test_batch_invariant.py`` holds it on every CPU the suite runs on),
+inner-product kernel (``torch.ops.mkldnn``), which otherwise reorders a weight on every call (measured on a 2-core
+AVX512-BF16 EPYC, SmolLM2-135M's AR step, each idea alone in one interleaved run: packing 1.42x in bf16 and 1.91x
+in fp32, fusing 1.07x in bf16; the whole loop against HF ``generate()``: docs/results/ar_vs_hf_epyc_avx512.json).
+Packed rows equal each other however many run together (2 to 128 rows, bf16 and fp32, measured on that CPU;
+``tests/test_batch_invariant.py`` and ``tests/test_decoder_weights.py`` hold it on every CPU the suite runs on),
 as batch-invariant decoding needs. Past the budget, and on CUDA, the module's own weights run as they are: the
 copies would cost memory for a fixed cost that is small beside a large matmul.
 """
@@ -96,8 +97,10 @@ def _layer_weights(layer, fuse: bool, keep: Callable) -> LayerWeights:
     norm = lambda m: (m.weight, m.variance_epsilon)  # noqa: E731
     return LayerWeights(
         input_norm=norm(layer.input_layernorm), post_norm=norm(layer.post_attention_layernorm),
-        qkv=_projections([attn.q_proj, attn.k_proj, attn.v_proj], fuse, keep), o=_projections([attn.o_proj], fuse, keep)[0],
-        gate_up=_projections([mlp.gate_proj, mlp.up_proj], fuse, keep), down=_projections([mlp.down_proj], fuse, keep)[0],
+        qkv=_projections([attn.q_proj, attn.k_proj, attn.v_proj], fuse, keep),
+        o=_projections([attn.o_proj], fuse, keep)[0],
+        gate_up=_projections([mlp.gate_proj, mlp.up_proj], fuse, keep),
+        down=_projections([mlp.down_proj], fuse, keep)[0],
         act=mlp.act_fn, q_norm=norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
         k_norm=norm(attn.k_norm) if hasattr(attn, "k_norm") else None)
 

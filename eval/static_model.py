@@ -14,9 +14,12 @@ layers through our cache, masks and attention function (any other family:
 * rollback is setting ``length``; accepted tree nodes are compacted with one
   ``index_copy_`` — nothing is reallocated;
 * on CUDA every shape is static (attention spans ``max_len``), which is what a
-  CUDA graph needs; in bf16/fp16 on a CPU too, for batch-invariant decoding (a
-  row's numbers independent of the forward's width); in fp32 on a CPU attention
-  spans only the filled part.
+  CUDA graph needs; in bf16/fp16 on a CPU shapes are static too, for
+  batch-invariant decoding (a row's numbers independent of the forward's width:
+  each row attends over a span set by its own slot, :meth:`StaticCausalLM.row_spans`);
+  in fp32 on a CPU attention spans only the filled part.
+* the hand-written layer's weights are prepared once per decoder
+  (:mod:`spectrain.eval.llama_layer`: on a CPU fused and prepacked copies).
 """
 
 from __future__ import annotations
@@ -234,7 +237,8 @@ class StaticCausalLM:
         outs, auxes = [], []
         for start in range(0, n, self.max_rows):
             part = slice(start, start + self.max_rows)
-            outs.append(self._static_run(input_ids[part], positions[part], mask[part], slots[part], self.length + start))
+            outs.append(self._static_run(input_ids[part], positions[part], mask[part], slots[part],
+                                         self.length + start))
             auxes.append(self.aux)
         self.aux = None if auxes[0] is None else torch.cat(auxes)
         return torch.cat(outs)
@@ -293,7 +297,8 @@ class StaticCausalLM:
         if extra not in self._padding:
             self._padding[extra] = torch.full((extra,), self.max_len, device=self.device)
         last = slice(-1, None)
-        return (torch.cat([input_ids, input_ids.new_zeros(extra)]), torch.cat([positions, positions[last].expand(extra)]),
+        return (torch.cat([input_ids, input_ids.new_zeros(extra)]),
+                torch.cat([positions, positions[last].expand(extra)]),
                 torch.cat([mask, mask[last].expand(extra, -1)]), torch.cat([slots, self._padding[extra]]))
 
     def _forward_layers(self, input_ids, positions, mask, slots, ranges):
