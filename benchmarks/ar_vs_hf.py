@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
+import importlib.util
 import shlex
 import subprocess
 import sys
@@ -79,7 +81,11 @@ def baseline_decoder(ref: str):
     (root / "eval").rename(root / name)
     for path in (root / name).glob("*.py"):
         path.write_text(path.read_text().replace("spectrain.eval.", f"{name}."))
-    sys.path.insert(0, str(root))
+    # imported as a package found in ``root`` alone, registered by name: nothing added to sys.path
+    spec = importlib.machinery.PathFinder.find_spec(name, [str(root)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
     return importlib.import_module(f"{name}.decode"), commit
 
 
