@@ -10,7 +10,9 @@ file has (the setting's own round included: it checks the formula, the readers a
 forward, their overhead interpolated, llama-bench's forwards or our loop's other verify passes), the real forecast
 (in our loop with the α of the deepest other chain); ``held_out_points_*`` the same with the forwards as measured
 (``--forward points``) rather than their line. Errors are forecast / measured − 1, measured in the pass the costs
-come from (llama.cpp: costs pooled over the repeats, against the median over them). Writes one JSON (its path the
+come from (llama.cpp: costs pooled over the repeats, against the median over them). llama.cpp's parallel slots
+(``--parallel``: P sequences per forward) are forecast from τ as measured at P slots and the one-slot costs
+scaled by forward(P) / forward(1), and summarized apart (``parallel_slots``). Writes one JSON (its path the
 last line printed): ``command``, ``date``, ``tolerance``, ``files``, ``rows``, ``summary``.
 """
 
@@ -58,7 +60,8 @@ def check(args: argparse.Namespace, command: str) -> Path:
         for row, alt in zip(check_rows(record, name, "line"), points):
             rows.append({**row, "held_out_points_speedup": alt["held_out_speedup"],
                          "held_out_points_error": alt["held_out_error"]})
-    forecast = [r for r in rows if r["error"] is not None]
+    forecast = [r for r in rows if r["error"] is not None and "slots" not in r]
+    slotted = [r for r in rows if r["error"] is not None and "slots" in r]  # llama.cpp's parallel slots
     held = [r for r in rows if r["held_out_error"] is not None]
     within = lambda rs, key: sum(abs(r[key]) <= args.tolerance for r in rs)  # noqa: E731
     summary = {"forecast": {"settings": len(forecast), "within_tolerance": within(forecast, "error"),
@@ -72,7 +75,9 @@ def check(args: argparse.Namespace, command: str) -> Path:
                "no_overhead": {"min_error": min(bare := [r["no_overhead_error"] for r in rows
                                                           if r.get("no_overhead_error") is not None]),
                                "max_error": max(bare)},
-               "not_forecast": len(rows) - len(forecast),
+               "parallel_slots": {"settings": len(slotted), "within_tolerance": within(slotted, "error"),
+                                  "errors": {f"{r['profile']} {r['setting']}": r["error"] for r in slotted}},
+               "not_forecast": len(rows) - len(forecast) - len(slotted),
                "per_file": {f: {"settings": len(fr := [r for r in forecast if r["file"] == f]),
                                 "max_abs_error": max((abs(r["error"]) for r in fr), default=None),
                                 "held_out": len(hr := [r for r in held if r["file"] == f]),
@@ -93,7 +98,10 @@ def check(args: argparse.Namespace, command: str) -> Path:
              f"within {args.tolerance:.0%} (worst {summary['held_out']['max_abs_error']:.1%}); forwards as measured "
              f"instead of their line: {summary['held_out_points']['within_tolerance']} of {len(held)} (worst "
              f"{summary['held_out_points']['max_abs_error']:.1%})",
-             *(f"held-out miss: {m}" for m in summary["held_out"]["misses"])]
+             *(f"held-out miss: {m}" for m in summary["held_out"]["misses"]),
+             f"parallel slots (llama.cpp, several sequences per forward): {within(slotted, 'error')} of "
+             f"{len(slotted)} within {args.tolerance:.0%}"
+             + (f" (worst {max(abs(r['error']) for r in slotted):.1%})" if slotted else "")]
     record = {"command": command, "date": time.strftime("%Y-%m-%d"), "tolerance": args.tolerance,
               "forward_model": "line", "files": [f"{args.results}/{f}.json" for f in args.files.split(",") if f],
               "summary": summary, "rows": rows}

@@ -10,7 +10,11 @@ For every drafter (EAGLE-3, DFlash or DSpark) it (1) writes the GGUF with ``spec
 block drafter's whole block, the chat template: the prompt token ids llama.cpp gets are ours), (3) runs
 ``llama-server`` on loopback without a draft and with it (``--spec-type draft-eagle3`` / ``draft-dflash`` /
 ``draft-dspark``, ``--spec-draft-n-max K --spec-draft-p-min 0``: every round drafts K, as ours does) and reads
-each completion's tokens and llama.cpp's own ``draft_n`` / ``draft_n_accepted``.
+each completion's tokens and llama.cpp's own ``draft_n`` / ``draft_n_accepted``. The server has two slots and
+gets the prompts two at a time, each beside a different prompt (``--server_slots 1``: one at a time), as a server
+with several users decodes them; the draft is sampled on the CPU (``--no-spec-draft-backend-sampling``, our
+serving advice: with llama.cpp's default backend sampling one slot drafts among the other's candidates,
+``benchmarks/llama_cpp_slots.py``; ``--draft_backend_sampling on`` checks that default).
 
 The verdict (``spectrain.eval.engine_verdicts.llama_cpp_verdict``, tested): llama.cpp's speculative output equals its plain greedy output on every
 prompt; τ (tokens per target forward, prefill excluded: ``rounds = generated − 1 − accepted``) within
@@ -51,6 +55,7 @@ from spectrain.eval.families import evaluator_of
 from spectrain.eval.layer_probe import choose_probe, default_probe_layers, layer_probe, probe_prediction
 from spectrain.eval.llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, find_binary,
                                              resolved_layers, rounds_and_tau)
+from spectrain.eval.llama_cpp_slots import NO_BACKEND_SAMPLING, paired_completions
 from spectrain.heads.serving.dflash_gguf import write_dflash_gguf
 from spectrain.heads.serving.eagle_gguf import ARCH, write_eagle3_gguf
 from spectrain.heads.errors import SpectrainError, run_command
@@ -84,6 +89,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--controls", default="eagle3,dflash,probe",
                    help="which controls run (eagle3, dflash, probe: the EAGLE-3 layer probes and their shifted twins)")
     p.add_argument("--probe_slots", default="0,1,2", help="the aux slots a layer probe reads, one probe each")
+    p.add_argument("--server_slots", type=int, default=2, choices=[1, 2],
+                   help="llama-server's slots (-np); at 2, prompts are decoded two at a time beside a different "
+                        "prompt, as a server with several users decodes them")
+    p.add_argument("--draft_backend_sampling", default="off", choices=["off", "on"],
+                   help="the draft's backend sampling (llama.cpp's default is on; off is our serving advice at "
+                        "several slots: docs/export.md, 'Several slots')")
     p.add_argument("--tolerance", type=float, default=0.05)
     p.add_argument("--near_tie", type=float, default=1e-3,
                    help="a prompt whose speculative output parts from plain passes when llama.cpp's own plain-path "
@@ -190,12 +201,15 @@ def run(args, command: str = "") -> Path:
                                          args.k, args.max_new_tokens)
     first = next(iter(ours.values()))
     prompt_ids, our_ar = first["prompt_ids"], first["ar_tokens"]
-    common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", "4096", "-np", "1", "--seed", "0",
+    common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", str(4096 * args.server_slots),
+              "-np", str(args.server_slots), "--seed", "0",
               "-ctk", args.kv_cache, "-ctv", args.kv_cache]
 
     def decode(name: str, extra: list[str]) -> list[dict]:
         with LlamaServer(server, target, common + extra, out / "logs" / f"{name}.log") as s:
-            return [s.complete(ids, args.max_new_tokens, n_probs=2) for ids in prompt_ids]
+            if args.server_slots == 1:
+                return [s.complete(ids, args.max_new_tokens, n_probs=2) for ids in prompt_ids]
+            return paired_completions(s, prompt_ids, args.max_new_tokens, n_probs=2)
 
     plain_runs = decode("plain", [])
     plain = [strip_eos(r["tokens"], eos) for r in plain_runs]
@@ -220,6 +234,7 @@ def run(args, command: str = "") -> Path:
                              "--spec-draft-n-max", str(k),
                              "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(args.threads),
                              "-tbd", str(args.threads), "-ctkd", args.kv_cache, "-ctvd", args.kv_cache,
+                             *([] if args.draft_backend_sampling == "on" else [NO_BACKEND_SAMPLING]),
                              "-lv", "4"])  # -lv 4: the loader's resolved layers
         info = {**info, "engine_layers": resolved_layers(out / "logs" / f"{name}.log")}
         spec = [strip_eos(r["tokens"], eos) for r in runs]
@@ -250,11 +265,14 @@ def run(args, command: str = "") -> Path:
                           "spec == plain", "check"], rows,
                          title=f"llama.cpp engine check: {args.verifier} as an f32 GGUF, {len(prompt_ids)} prompts, "
                                f"{args.max_new_tokens} new tokens, draft {args.k}, T=0, {args.threads} threads, "
-                               f"{args.kv_cache} KV cache")
+                               f"{args.kv_cache} KV cache, {args.server_slots} slot(s)"
+                               + (", prompts two at a time" if args.server_slots == 2 else "")
+                               + f", draft backend sampling {args.draft_backend_sampling}")
     summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "llama_cpp": LLAMA_CPP_VERSION,
                "llama_server_version": binary_version(server), "cpu": cpu_record(), "verifier": args.verifier, "target_gguf": str(target),
                "prompts": args.prompts, "num_prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens,
                "k": args.k, "threads": args.threads, "kv_cache": args.kv_cache, "tolerance": args.tolerance,
+               "server_slots": args.server_slots, "draft_backend_sampling": args.draft_backend_sampling,
                "llama_cpp_greedy_equals_our_ar": f"{ar_match}/{len(prompt_ids)}",
                "llama_cpp_greedy_partings_from_our_ar": ar_parted, "near_tie": args.near_tie,
                "plain_tokens_per_second": [r["timings"].get("predicted_per_second") for r in plain_runs],

@@ -190,15 +190,34 @@ def overhead_cost(p: CostProfile, k: int, model: str = "line") -> tuple[float, s
     return (value if how == "measured" else max(value, 0.0)), how
 
 
-def price(p: CostProfile, k: int, drafting: str, model: str = "line") -> dict:
-    """One round of a chain of ``k``: its parts, total, break-even τ and all-accepted ceiling, and how each part
-    was priced."""
-    (fwd, fwd_how), (dft, dft_how), (rest, rest_how) = (forward_cost(p, k + 1, model), draft_cost(p, k, drafting),
-                                                        overhead_cost(p, k, model))
+def slot_width(p: CostProfile, slots: int, model: str = "line") -> float:
+    """How much a forward over one token per slot costs against one token alone: forward(slots) / forward(1)
+    (1 at one slot). It prices plain decoding at ``slots`` (the AR step, ``ar_ms`` × this) and a draft step that
+    drafts for every slot at once (assumed to grow as the target's forward does)."""
+    return 1.0 if slots == 1 else forward_cost(p, slots, model)[0] / forward_cost(p, 1, model)[0]
+
+
+def price(p: CostProfile, k: int, drafting: str, model: str = "line", slots: int = 1) -> dict:
+    """One round of a chain of ``k`` with ``slots`` sequences decoded together (llama-server's ``-np``; each round
+    verifies every slot's k + 1 tokens in one forward and drafts every slot in one batch per step): its parts,
+    total, break-even τ and all-accepted ceiling against plain decoding at the same slots (``ar_ms`` is then the
+    AR step over one token per slot), and how each part was priced. At several slots the draft, the overhead (the
+    draft's catch-up over the verified rows, sampling: batched over the slots as the forward is) and the AR step
+    are priced as at one slot × :func:`slot_width`."""
+    if slots < 1:
+        raise SpectrainError(f"slots must be >= 1, got {slots}")
+    width = slot_width(p, slots, model)
+    (fwd, fwd_how), (dft, dft_how), (rest, rest_how) = (forward_cost(p, slots * (k + 1), model),
+                                                        draft_cost(p, k, drafting), overhead_cost(p, k, model))
+    dft, rest, ar_ms = dft * width, rest * width, p.ar_ms * width
     total = fwd + dft + rest
-    return {"k": k, "drafting": drafting, "forward_ms": fwd, "draft_ms": dft, "overhead_ms": rest, "round_ms": total,
-            "break_even_tau": total / p.ar_ms, "ceiling_speedup": (k + 1) * p.ar_ms / total,
-            "priced": {"forward": fwd_how, "draft": dft_how, "overhead": rest_how}}
+    priced = {"forward": fwd_how, "draft": dft_how, "overhead": rest_how}
+    if slots > 1:
+        grows = f"× {width:.3f} (forward({slots}) / forward(1): assumed)"
+        priced.update(draft=f"{dft_how}, {grows}", overhead=f"{rest_how}, {grows}", ar=f"ar_ms {grows}")
+    return {"k": k, "drafting": drafting, "slots": slots, "ar_ms": ar_ms, "forward_ms": fwd, "draft_ms": dft,
+            "overhead_ms": rest, "round_ms": total, "break_even_tau": total / ar_ms,
+            "ceiling_speedup": (k + 1) * ar_ms / total, "priced": priced}
 
 
 def held_out(p: CostProfile, k: int) -> CostProfile:
@@ -232,18 +251,21 @@ def measured_alpha(alpha: list[float | None]) -> list[float]:
     return out
 
 
-def forecast(alpha: list[float | None], p: CostProfile, max_k: int | None = None, model: str = "line") -> dict:
-    """Every chain length up to α's measured depth (or ``max_k``), drafted sequentially and in parallel: expected
-    τ and speedup (the planner's :func:`~.costs.plan`), the round's priced parts, break-even τ, the ceiling; the
-    best setting and whether any pays (speedup > 1)."""
+def forecast(alpha: list[float | None], p: CostProfile, max_k: int | None = None, model: str = "line",
+             slots: int = 1) -> dict:
+    """Every chain length up to α's measured depth (or ``max_k``), drafted sequentially and in parallel, with
+    ``slots`` sequences decoded together: expected τ and speedup over plain decoding at the same slots (the
+    planner's :func:`~.costs.plan`), the round's priced parts, break-even τ, the ceiling; the best setting and
+    whether any pays (speedup > 1)."""
     alpha = measured_alpha(alpha)
     depth = min(len(alpha), max_k) if max_k else len(alpha)
     if depth < 1:
         raise SpectrainError("the acceptance profile has no measured α (no draft was ever verified)")
     rows = []
     for drafting in DRAFTING:
-        priced = {k: price(p, k, drafting, model) for k in range(1, depth + 1)}
-        planned = plan(alpha[:depth], p.ar_ms, {k: r["forward_ms"] + r["overhead_ms"] for k, r in priced.items()},
+        priced = {k: price(p, k, drafting, model, slots) for k in range(1, depth + 1)}
+        planned = plan(alpha[:depth], priced[1]["ar_ms"],
+                       {k: r["forward_ms"] + r["overhead_ms"] for k, r in priced.items()},
                        {k: r["draft_ms"] for k, r in priced.items()})
         rows += [{**priced[r["n"]], "expected_tau": r["expected_tau"], "expected_speedup": r["expected_speedup"]}
                  for r in planned]
@@ -252,7 +274,12 @@ def forecast(alpha: list[float | None], p: CostProfile, max_k: int | None = None
     verdict = (f"best: chain {best['k']}, {best['drafting']} drafting, {best['expected_speedup']:.3f}x" if pays else
                f"speculation does not pay here: the best setting (chain {best['k']}, {best['drafting']}) forecasts "
                f"{best['expected_speedup']:.3f}x, and it would need tau {best['break_even_tau']:.3f} to break even")
-    return {"rows": rows, "best": best, "pays": pays, "verdict": verdict, "notes": pricing_notes(p, depth, model)}
+    notes = pricing_notes(p, depth, model)
+    if slots > 1:
+        notes.append(f"{slots} slots: each round verifies {slots} × (k + 1) tokens in one forward; the AR step, the "
+                     f"draft and the overhead are priced as one slot's × forward({slots}) / forward(1) (assumed; "
+                     "against llama.cpp's measured slots, docs/results/forecast_check.json, it is off by up to -40 %)")
+    return {"rows": rows, "best": best, "pays": pays, "verdict": verdict, "slots": slots, "notes": notes}
 
 
 def pricing_notes(p: CostProfile, depth: int, model: str) -> list[str]:
@@ -485,9 +512,26 @@ def check_rows(record: dict, file: str, model: str = "line") -> list[dict]:
                 row = _row(file, p.name, name, mode.k, m["tau"], measured, own, held,
                            "" if held else "only chain length of its draft variant")
                 rows.append({**row, "no_overhead_error": bare / measured[0] - 1})  # the round's overhead left out
-            if t.get("parallel"):
-                rows.append(_row(file, target, "parallel slots", None, None, (None,) * 4, None,
-                                 note="not forecast: several sequences per forward"))
+            for slots, modes in (t.get("parallel") or {}).items():  # P slots, all busy: τ as measured at P
+                for name, m in modes.items():
+                    mode = mode_of(name)
+                    setting = f"{name} at {slots} slots"
+                    measured = (m["speedup_median"], m["speedup_median"], m["speedup_min"], m["speedup_max"])
+                    if name == "plain":
+                        continue
+                    if mode is None or mode.p_min is not None or not m.get("drafted"):
+                        rows.append({**_row(file, target, setting, None, None, measured, None,
+                                            note="not forecast: no fixed chain (n-gram lookup or p-min)"),
+                                     "slots": int(slots)})
+                        continue
+                    rounds = m["drafted"] / mode.k  # p-min 0: every round drafts k
+                    tau = (m["accepted"] + rounds) / rounds
+                    p = profiles[target + mode.name.split(f"-k{mode.k}", 1)[1].replace("-", ":")]
+                    priced = price(p, mode.k, p.drafting, model, int(slots))
+                    rows.append({**_row(file, p.name, setting, mode.k, tau, measured,
+                                        tau * priced["ar_ms"] / priced["round_ms"],
+                                        note="τ as accepted/drafted at these slots; measured: wall clock, prefill "
+                                             "and idle slots in it"), "slots": int(slots)})
         return rows
     for group, ar, settings, measured in _groups(record):
         chains = {_fixed_chain(s, r): r for s, r in settings.items() if _fixed_chain(s, r) and r.get("round_ms")}
@@ -552,6 +596,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_k", type=int, default=None, help="longest chain to forecast (default: α's measured depth)")
     p.add_argument("--forward", default="line", choices=FORWARD_MODELS,
                    help="forwards over 2+ tokens: their least-squares line (default) or the measured points")
+    p.add_argument("--slots", type=int, default=1, help="sequences decoded together (llama-server's -np with every "
+                                                        "slot busy): speedup over plain decoding at as many slots")
     p.add_argument("--out", default="runs/plan/forecast.json")
     return p.parse_args(argv)
 
@@ -570,6 +616,8 @@ def run(args: argparse.Namespace, command: str) -> Path:
         raise SpectrainError(f"unknown engine {args.engine!r}: one of {', '.join(ENGINES)}")
     if args.max_k is not None and args.max_k < 1:
         raise SpectrainError(f"--max_k must be >= 1, got {args.max_k}")
+    if args.slots < 1:
+        raise SpectrainError(f"--slots must be >= 1, got {args.slots}")
     accepted = acceptance_of(read_json(args.acceptance, "acceptance file"), args.acceptance)
     chains = [s for s, a in accepted.items() if _fixed_chain(a["setting"], {}) is not None]
     setting, acc = _pick(accepted, args.setting, "setting with α", args.acceptance, (chains or [None])[0])
@@ -584,7 +632,7 @@ def run(args: argparse.Namespace, command: str) -> Path:
     if args.engine and profile.engine != args.engine:
         raise SpectrainError(VLLM_UNMEASURED if args.engine == "vllm" else
                              f"{costs_file} holds {profile.engine} costs, not {args.engine}")
-    result = forecast(acc["alpha"], profile, args.max_k, args.forward)
+    result = forecast(acc["alpha"], profile, args.max_k, args.forward, args.slots)
     others = [p for p in profiles if p != name]
     if others:
         result["notes"].append(f"other profiles in {costs_file}: {', '.join(others)} (--profile)")
@@ -593,7 +641,8 @@ def run(args: argparse.Namespace, command: str) -> Path:
                               "tau_measured": acc["tau"]},
                "costs": costs_file, "forward_model": args.forward, "profile": profile.to_dict(), **result}
     title = (f"{profile.engine} ({profile.name}; {profile.cpu}; {profile.dtype or 'dtype not recorded'}), "
-             f"alpha of {setting} in {args.acceptance}; AR {profile.ar_ms:.2f} ms/token")
+             f"alpha of {setting} in {args.acceptance}; AR {profile.ar_ms:.2f} ms/token"
+             + (f"; {args.slots} slots (AR step {result['rows'][0]['ar_ms']:.2f} ms)" if args.slots > 1 else ""))
     lines = [result["verdict"], *(f"note: {n}" for n in result["notes"])]
     return finish(summary, args.out, [forecast_table(result, title), "\n".join(lines)])
 

