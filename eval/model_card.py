@@ -19,6 +19,7 @@ from pathlib import Path
 
 from spectrain.eval.decode_dtype import cpu_line
 from spectrain.eval.llama_cpp_modes import mode_of, run_p_min
+from spectrain.eval.llama_cpp_slots import NO_BACKEND_SAMPLING
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.serving.cli import target_gguf_for
 from spectrain.heads.families import family_for_method
@@ -83,7 +84,8 @@ def llama_cpp_facts(check_path: str, speed_path: str, name: str) -> dict:
     cpu = speed.get("cpu") or {}
     return {"check": {"file": check_path, "command": check["command"], "k": row["k"],
                       "tau_ours": round(row["tau_ours"], 3), "tau_llama_cpp": round(row["tau_llama_cpp"], 3),
-                      "prompts": check["num_prompts"], "max_new_tokens": check["max_new_tokens"]},
+                      "prompts": check["num_prompts"], "max_new_tokens": check["max_new_tokens"],
+                      "server_slots": check.get("server_slots", 1)},
             "speed": {"file": speed_path, "command": speed["command"], "threads": speed["threads"],
                       "repeats": speed["repeats"], "cpu": f"{cpu.get('cpus') or cpu.get('cores')}-CPU {cpu.get('model')}"
                       + (", AVX512-BF16" if cpu.get("avx512_bf16") else ", AVX2 only" if cpu.get("avx2") and not
@@ -298,8 +300,11 @@ def llama_cpp_text(card: dict) -> str:
 
 ```bash
 spectrain-verifier-gguf {card['verifier']} --out target-f32.gguf    # the weights it trained on (or serve the Q4_1 file)
-llama-server -m target-f32.gguf -md {shipped} {serve_flags(card)}
+llama-server -m target-f32.gguf -md {shipped} {serve_flags(card)} {NO_BACKEND_SAMPLING}
 ```
+
+(`{NO_BACKEND_SAMPLING}` keeps acceptance at several slots, `-np` 2 and above: docs/export.md, "Several
+slots".)
 
 """
     if g.get("file"):
@@ -313,13 +318,14 @@ a test re-exports and compares), so either serves the same draft. At f32 the fil
     if not facts:
         return text
     c, sp = facts["check"], facts["speed"]
+    slots = ", two slots with the prompts two at a time" if c.get("server_slots", 1) == 2 else ""
     rows = "\n".join(f"| {t} | {v['plain_tok_per_s']} | {v['drafter']['speedup']:.3f}× ({v['drafter']['min']:.3f}–"
                      f"{v['drafter']['max']:.3f}), `{v['drafter']['mode']}`, τ {v['drafter']['tau']:.3f} | "
                      f"{v['ngram']['speedup']:.3f}× ({v['ngram']['min']:.3f}–{v['ngram']['max']:.3f}), "
                      f"`{v['ngram']['mode']}` |" for t, v in sp["targets"].items())
     return text + f"""
 Measured in llama.cpp ({facts['llama_cpp']}): τ {c['tau_llama_cpp']:.3f} in `llama-server` against {c['tau_ours']:.3f}
-in our loop (draft {c['k']}, {c['prompts']} MT-bench first turns × {c['max_new_tokens']} tokens, f32 target;
+in our loop (draft {c['k']}, {c['prompts']} MT-bench first turns × {c['max_new_tokens']} tokens, f32 target{slots};
 `{Path(c['file']).name}`). Speed against llama.cpp's plain decoding ({sp['cpu']}, {sp['threads']} threads,
 {sp['repeats']} interleaved repeats, median (min–max); `{Path(sp['file']).name}`):
 

@@ -49,6 +49,7 @@ FACTS: dict[str, dict[str, str]] = {
     "docs/smollm2.md": {"1.0": "the recipe's gradient-clipping setting"},
     "docs/eagle.md": {"0.1": "EAGLE-1's soft-CE loss weight (a setting: SmoothL1 + 0.1 × soft CE)"},
     "docs/evaluation.md": {
+        "1.8": "lookahead decoding's own abstract (arXiv 2402.02057: 'up to 1.8x on MT-bench'), quoted as theirs",
         "0.66": "multiply-accumulates of EAGLE-1's fc on SmolLM2 (2 · 576 × 576: arithmetic on its shapes)",
         "3.5": "multiply-accumulates of one SmolLM2-shaped decoder layer (arithmetic on its shapes)",
         "28.3": "multiply-accumulates of SmolLM2's 49,152 × 576 lm_head (arithmetic on its shapes)",

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from spectrain.eval.llama_cpp_server import server_env
-from spectrain.eval.llama_cpp_slots import (concurrent_pair, pair_schedule, run_schedule, slot_rows, trace_summary,
-                                            within)
+from spectrain.eval.llama_cpp_slots import (concurrent_pair, pair_schedule, paired_completions, run_schedule, slot_rows,
+                                            trace_summary, within)
 from spectrain.heads.errors import SpectrainError
 
 
@@ -50,6 +50,15 @@ def test_concurrent_pair_overlaps_and_keeps_the_order():
     a, b = concurrent_pair(server, [10], [20], 4)
     assert a["tokens"][0] == 10 and b["tokens"][0] == 20
     assert server.overlaps == 2  # both requests saw the other in flight
+
+
+def test_paired_completions_decode_every_prompt_beside_another_in_order():
+    server = FakeServer(cross_talk=False)
+    out = paired_completions(server, [[10], [20], [30]], 4)  # (0, 1), then 2 beside 0 again
+    assert [r["tokens"][0] for r in out] == [10, 20, 30]
+    assert server.overlaps == 4  # every request had a neighbour in flight
+    with pytest.raises(SpectrainError, match="2 or more prompts"):
+        paired_completions(server, [[10]], 4)
 
 
 @pytest.mark.parametrize("cross_talk", [False, True])

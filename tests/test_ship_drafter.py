@@ -76,13 +76,13 @@ def test_llama_cpp_section_follows_the_drafters_family():
     gguf = {"file": "d-q8_0.gguf", "serve": "--spec-type draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0",
             "q8_0_mb": 1.0, "sha256": "ab" * 32, "f32_mb": 4.0}
     text = model_card.llama_cpp_text({"method": "dflash", "name": "d", "verifier": "v", "gguf": gguf})
-    assert "-md pretrained/d/d-q8_0.gguf --spec-type draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0\n" in text
+    assert "-md pretrained/d/d-q8_0.gguf --spec-type draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0 --no-spec-draft-backend-sampling\n" in text
     refused = model_card.llama_cpp_text({"method": "dspark", "name": "d", "verifier": "v",
                                    "gguf": {"refused": "a confidence head: pass --drop_confidence_head"}})
     assert "Not as trained: a confidence head" in refused and "llama-server" not in refused
     assert model_card.llama_cpp_text({"method": "eagle1", "name": "x", "verifier": "v"}) == ""
     bare = model_card.llama_cpp_text({"method": "eagle3", "name": "x", "verifier": "v"})  # no file, no figures
-    assert "-md x.gguf --spec-type draft-eagle3\n" in bare
+    assert "-md x.gguf --spec-type draft-eagle3 --no-spec-draft-backend-sampling\n" in bare
 
 
 def test_serve_line_takes_the_best_modes_p_min_or_the_runs(tmp_path):
