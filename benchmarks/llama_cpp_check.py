@@ -48,7 +48,8 @@ import time
 from pathlib import Path
 
 from spectrain.eval.decode_dtype import cpu_record
-from spectrain.eval.engine_compare import first_turns, our_tau, path_spread, partings, strip_eos
+from spectrain.eval.engine_compare import (f32_target, first_turns, generation_eos, our_tau, partings, path_spread,
+                                           strip_eos)
 from spectrain.eval.engine_controls import dflash_control, eagle3_control, mistaken_gguf
 from spectrain.eval.engine_verdicts import llama_cpp_verdict
 from spectrain.eval.families import evaluator_of
@@ -63,7 +64,7 @@ from spectrain.heads.serving.cli import target_gguf_for
 from spectrain.heads.families import family_of
 from spectrain.heads.serving.formats import import_drafter, method_of
 from spectrain.heads.serving.gguf import write_draft_gguf
-from spectrain.heads.serving.llama_cpp import read_metadata, write_verifier_gguf
+from spectrain.heads.serving.llama_cpp import read_metadata
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_verifier, resolve_verifier
 
@@ -122,12 +123,9 @@ def run(args, command: str = "") -> Path:
     verifier_dir = resolve_verifier(args.verifier)
     loaded = load_verifier(verifier_dir, dtype="float32")
     verifier, tokenizer = loaded.model, loaded.tokenizer
-    eos_id = verifier.generation_config.eos_token_id
-    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id or [])
+    eos = generation_eos(verifier)
     source = Path(args.source_gguf) if args.source_gguf else target_gguf_for(args.verifier)
-    target = out / "target-f32.gguf"
-    if not target.is_file():
-        write_verifier_gguf(source, target, "float32", through="bfloat16" if args.verifier == "bundled:smollm2" else None)
+    target = f32_target(args.verifier, source, out)
     prompts = first_turns(args.prompts, args.num_prompts, out / "prompts.json", tokenizer)
     layers = verifier.config.num_hidden_layers
     controls = [] if args.no_controls else [c.strip() for c in args.controls.split(",") if c.strip()]

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from spectrain.eval.decode_dtype import cpu_record
-from spectrain.eval.engine_compare import first_turns, strip_eos
+from spectrain.eval.engine_compare import f32_target, first_turns, generation_eos, strip_eos
 from spectrain.eval.layer_probe import choose_probe, default_probe_layers, layer_probe, probe_prediction
 from spectrain.eval.llama_cpp_server import LLAMA_CPP_VERSION, LlamaServer, binary_version, find_binary
 from spectrain.eval.llama_cpp_slots import NO_BACKEND_SAMPLING, run_schedule, slot_rows, trace_summary
@@ -44,7 +44,6 @@ from spectrain.heads.serving.cli import target_gguf_for
 from spectrain.heads.serving.eagle_gguf import write_eagle3_gguf
 from spectrain.heads.serving.formats import import_drafter
 from spectrain.heads.serving.gguf import write_draft_gguf
-from spectrain.heads.serving.llama_cpp import write_verifier_gguf
 from spectrain.heads.verifier import load_verifier, resolve_verifier
 
 
@@ -96,12 +95,9 @@ def run(args, command: str = "") -> Path:
     configs = builds(args)
     loaded = load_verifier(resolve_verifier(args.verifier), dtype="float32")
     verifier, tokenizer = loaded.model, loaded.tokenizer
-    eos_id = verifier.generation_config.eos_token_id
-    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id or [])
+    eos = generation_eos(verifier)
     source = target_gguf_for(args.verifier)
-    target = out / "target-f32.gguf"
-    if not target.is_file():
-        write_verifier_gguf(source, target, "float32", through="bfloat16" if args.verifier == "bundled:smollm2" else None)
+    target = f32_target(args.verifier, source, out)
     prompts = first_turns(args.prompts, args.num_prompts, out / "prompts.json", tokenizer)
     prompt_ids = [encode_turn(tokenizer, [{"role": "user", "content": p[0]}], tokenizer.chat_template is not None)
                   for p in prompts]  # as our evaluator renders a first turn

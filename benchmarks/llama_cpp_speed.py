@@ -52,7 +52,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from spectrain.eval.decode_dtype import cpu_line, cpu_record
-from spectrain.eval.engine_compare import first_turns, strip_eos
+from spectrain.eval.engine_compare import f32_target, first_turns, strip_eos
 from spectrain.eval.llama_cpp_modes import (CROSS_REQUEST_STATE, NGRAM_MODES, ModeRequest, draft_files, draft_modes,
                                             mode_flags, mode_of)
 from spectrain.eval.llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, draft_time,
@@ -61,7 +61,6 @@ from spectrain.eval.llama_cpp_timing import (forward_costs, resummarize, round_c
                                              summarize)
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.serving.cli import target_gguf_for
-from spectrain.heads.serving.llama_cpp import write_verifier_gguf
 from spectrain.heads.report import finish, format_table
 from spectrain.heads.verifier import load_tokenizer, resolve_verifier
 
@@ -113,10 +112,7 @@ def targets(args, out: Path) -> dict[str, Path]:
         elif spec == "q4_1":
             found[spec] = source
         elif spec in ("f32", "q8_0"):
-            f32 = out / "target-f32.gguf"
-            if not f32.is_file():
-                write_verifier_gguf(source, f32, "float32",
-                                    through="bfloat16" if args.verifier == "bundled:smollm2" else None)
+            f32 = f32_target(args.verifier, source, out)
             if spec == "f32":
                 found[spec] = f32
             else:

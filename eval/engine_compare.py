@@ -63,6 +63,23 @@ def our_tau(verifier, method: str, drafter_dir: Path, prompts: list[list[str]], 
             "ar_tokens": [r["turns"][0]["tokens"] for r in ar]}
 
 
+def generation_eos(model) -> set[int]:
+    """The token ids that end a generation for ``model`` (its ``generation_config``: one id or a list)."""
+    eos_id = model.generation_config.eos_token_id
+    return {eos_id} if isinstance(eos_id, int) else set(eos_id or [])
+
+
+def f32_target(verifier: str, source: Path, out: Path) -> Path:
+    """``out/target-f32.gguf``: the verifier's GGUF ``source`` re-encoded as f32, written once (``bundled:smollm2``
+    through bf16: the very weights our drafters train and our loop decodes with)."""
+    from spectrain.heads.serving.llama_cpp import write_verifier_gguf
+
+    target = out / "target-f32.gguf"
+    if not target.is_file():
+        write_verifier_gguf(source, target, "float32", through="bfloat16" if verifier == "bundled:smollm2" else None)
+    return target
+
+
 def strip_eos(tokens: list[int], eos: set[int]) -> list[int]:
     """``tokens`` without a final end-of-sequence token (engines differ in whether they return it)."""
     return tokens[:-1] if tokens and tokens[-1] in eos else tokens

@@ -120,3 +120,23 @@ def test_server_env_puts_the_binary_directory_first(tmp_path, monkeypatch):
     assert env["SPEC_TRACE"] == "t.txt"
     monkeypatch.delenv("LD_LIBRARY_PATH")
     assert server_env(Path("/x/llama-server"))["LD_LIBRARY_PATH"] == "/x"
+
+
+def test_f32_target_is_written_once_and_smollm2_goes_through_bf16(tmp_path, monkeypatch):
+    from spectrain.eval.engine_compare import f32_target
+    from spectrain.heads.serving import llama_cpp
+
+    calls = []
+
+    def fake(source, target, dtype, through=None):
+        calls.append((dtype, through))
+        Path(target).write_bytes(b"gguf")
+        return target
+
+    monkeypatch.setattr(llama_cpp, "write_verifier_gguf", fake)
+    assert f32_target("bundled:smollm2", tmp_path / "s.gguf", tmp_path) == tmp_path / "target-f32.gguf"
+    f32_target("bundled:smollm2", tmp_path / "s.gguf", tmp_path)  # already there: not written again
+    assert calls == [("float32", "bfloat16")]
+    (tmp_path / "other").mkdir()
+    f32_target("my/model", tmp_path / "s.gguf", tmp_path / "other")  # another verifier: its own weights as they are
+    assert calls[-1] == ("float32", None)
