@@ -19,6 +19,12 @@ token's ``lm_head`` row, so it proposes the token in every slot only if the engi
 ``mask_token_id``. Their accepted-token count follows from vLLM's own greedy output (runs of that token), so it
 is predicted exactly and compared.
 
+A P-EAGLE drafter (``peagle``) is served with ``"parallel_drafting": true``; besides τ it needs vLLM's accepted
+tokens at every draft position within the tolerance of ours (its placeholder depths are what parallel drafting
+changes, and they accept few tokens: τ alone would not see them drafted otherwise). It gets a control (its token at
+every depth through d2t alone) and two mistaken exports (another ``mask_token_id``; ``mask_hidden`` zeroed), each
+caught when vLLM's accepted tokens at the placeholder depths differ from what it accepted with the right export.
+
 Block drafters (``dflash`` / ``dspark``) draft their whole block (``config.drafts`` tokens, not ``--k``) and are
 compared over the full vocabulary (what the engine drafts over; our evaluator would default to the ranked head).
 A block drafter's check also reads, from the engine itself, the target layers and mask token vLLM resolved from
@@ -39,8 +45,10 @@ import sys
 import time
 from pathlib import Path
 
+from spectrain.eval.decode_dtype import cpu_record
 from spectrain.eval.engine_compare import first_turns, our_tau, strip_eos
-from spectrain.eval.engine_controls import dflash_control, eagle3_control, medusa_control, mistaken_export
+from spectrain.eval.engine_controls import (dflash_control, eagle3_control, medusa_control, mistaken_export,
+                                            peagle_control)
 from spectrain.eval.engine_verdicts import block_fields, vllm_verdict
 from spectrain.eval.families import check_chain_depth
 from spectrain.eval.vllm_engine import BLOCK_METHODS, ENGINE_FORMAT, PARALLEL_METHODS, VLLM_METHOD, run_vllm
@@ -95,7 +103,8 @@ def run(args, command: str = "") -> Path:
         return path
 
     # (name, method, export dir, k, info): info["control_token"] = an exact prediction; info["must_differ"] = a
-    # sensitivity control (the export of info["of"] with one mistake: its vLLM tau must leave the tolerance)
+    # sensitivity control (the export of info["of"] with one mistake, caught by the fields the engine resolved or,
+    # for P-EAGLE, by its placeholder depths' acceptance against the right export's)
     drafters = []
     for spec in args.drafter:
         if "=" not in spec:
@@ -111,22 +120,31 @@ def run(args, command: str = "") -> Path:
         info = {"source": str(path)}
         if method in BLOCK_METHODS:  # what the engine must resolve from the export: the drafter's own fields
             info["expected"] = block_fields(drafter.config)
+        if method in PARALLEL_METHODS:  # its accepted tokens per position must agree with ours
+            info["parallel"] = True
         drafters.append((name, method, exported, k, info))
         if method in BLOCK_METHODS and not args.no_controls:
             for mistake in ("layers", "mask"):
                 wrong = mistaken_export(exported, out / "exports" / f"{name}-wrong-{mistake}", mistake, vocab)
                 drafters.append((f"{name}-wrong-{mistake}", method, wrong, k,
                                  {"must_differ": mistake, "of": name, "expected": info["expected"]}))
+        if method in PARALLEL_METHODS and not args.no_controls:  # judged by the placeholder depths' acceptance
+            for mistake in ("mask", "mask_hidden"):
+                wrong = mistaken_export(exported, out / "exports" / f"{name}-wrong-{mistake}", mistake, vocab)
+                drafters.append((f"{name}-wrong-{mistake}", method, wrong, k, {"must_differ": mistake, "of": name}))
     token = tokenizer(args.control_token, add_special_tokens=False)["input_ids"]
     if len(token) != 1:
         raise SpectrainError(f"--control_token {args.control_token!r} is {len(token)} tokens, not one")
     token = token[0]
     if not args.no_controls:
         block_k = next((k for _, m, _, k, _ in drafters if m in BLOCK_METHODS), args.k)
+        parallel = [("control-peagle", peagle_control(verifier, token, args.k), "peagle", args.k)] if any(
+            m in PARALLEL_METHODS for _, m, _, _, _ in drafters) else []  # only where a P-EAGLE drafter is checked
         for name, drafter, method, k in (
                 ("control-medusa", medusa_control(verifier, token, args.k), "medusa", args.k),
                 ("control-eagle3", eagle3_control(verifier, token, scale=None), "eagle3", args.k),
-                ("control-dflash", dflash_control(verifier, tokenizer, token, block_k), "dflash", block_k)):
+                ("control-dflash", dflash_control(verifier, tokenizer, token, block_k), "dflash", block_k),
+                *parallel):
             info = {"control_token": token}
             if method in BLOCK_METHODS:
                 info["expected"] = block_fields(drafter.config)
@@ -172,6 +190,8 @@ def run(args, command: str = "") -> Path:
             ok_all = False
             records.append(record)
             continue
+        if "must_differ" in info and "expected" not in info:  # what the engine did with the right export
+            info = {**info, "reference_per_pos": results.get(info["of"], {}).get("accepted_per_pos")}
         ok, note, found = vllm_verdict(info, r, ours[name], base["token_ids"], args.tolerance, token, k)
         record.update(found)
         tau_vllm, rel, identical = found["tau_vllm"], found["relative_difference"], found["identical_prompts"]
@@ -188,7 +208,8 @@ def run(args, command: str = "") -> Path:
                          rows, title=f"vLLM engine check: {args.verifier}, {len(prompt_ids)} prompts, "
                                      f"{args.max_new_tokens} new tokens, chain {args.k} (block drafters: their block), "
                                      "T=0, float32")
-    summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "verifier": args.verifier,
+    summary = {"command": command, "date": time.strftime("%Y-%m-%d"), "cpu": cpu_record(), "dtype": "float32",
+               "vllm_version": base.get("vllm_version"), "verifier": args.verifier,
                "verifier_dir": verifier_dir, "prompts": args.prompts,
                "num_prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens, "k": args.k,
                "vllm_greedy_equals_our_ar": f"{ar_match}/{len(prompt_ids)}", "baseline_seconds": base["generate_seconds"],

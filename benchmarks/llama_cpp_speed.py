@@ -31,9 +31,16 @@ Draft modes beyond ``--draft_lengths``: ``--draft_modes`` takes items like ``k1:
 threads), each a mode of its own, so a draft's dtype, confidence cut-off and threads are timed in the same run.
 
 Parallel slots (``--parallel 1,2,4``): for each slot count P and each of ``--parallel_modes``, a server with
-``-np P``; each repeat sends all prompts through P concurrent clients and times the wall clock from the first
-request to the last reply (prefill included: with P requests in flight it cannot be taken apart). The figure is
-aggregate generated tokens per second, and each mode's ratio to plain decoding at the same P.
+``-np P``, two measurements per repeat. *Serving*: all prompts through P concurrent clients, timed by the wall
+clock from the first request to the last reply (prefill and the idle slots of the tail included). *Busy*: each
+prompt sent as P copies in one request (prefilled in one batch, decoding in lockstep), so every slot decodes the
+same sequence with the same acceptance and all P stay busy to the end; a prompt's decode time is the longest of
+its copies' ``predicted_ms`` (prefill excluded). Each figure is aggregate generated tokens per second, and each
+mode's ratio to plain decoding at the same P in the same repeat; the busy one is what a forecast of P sequences
+per forward is checked against. Draft modes are served with the draft sampled on the CPU
+(``--draft_backend_sampling off``, the default: llama.cpp 11434's backend sampling crosses slots' drafts,
+docs/upstream/llama-cpp-draft-backend-sampling.md); llama-bench also times the forwards of P and P (k + 1)
+tokens.
 
 The modes, their names and draft files are ``spectrain.eval.llama_cpp_modes``'s; the summaries and round costs
 ``spectrain.eval.llama_cpp_timing``'s (both tested); this script runs the servers.
@@ -57,6 +64,7 @@ from spectrain.eval.llama_cpp_modes import (CROSS_REQUEST_STATE, NGRAM_MODES, Mo
                                             mode_flags, mode_of)
 from spectrain.eval.llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, draft_time,
                                              find_binary, rounds_and_tau)
+from spectrain.eval.llama_cpp_slots import NO_BACKEND_SAMPLING
 from spectrain.eval.llama_cpp_timing import (forward_costs, resummarize, round_cost_table, round_costs, round_split,
                                              summarize)
 from spectrain.heads.errors import SpectrainError, run_command
@@ -94,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="modes of the concurrency phase (names as in the table; default: plain, our first draft mode "
                         "and ngram-map-k)")
     p.add_argument("--parallel_targets", default=None, help="targets of the concurrency phase (default: all)")
+    p.add_argument("--draft_backend_sampling", default="off", choices=["off", "on"],
+                   help="sample our draft on llama.cpp's backend (its default, 'on'; wrong at 2+ slots in 11434) or on "
+                        "the CPU ('off': --no-spec-draft-backend-sampling)")
     p.add_argument("--out", default="runs/llama_cpp_speed")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.num_prompts < 1:
@@ -186,6 +197,42 @@ def sequential_phase(args, server: Path, tpath: Path, tname: str, mode_flags: di
     return runs, drafting
 
 
+def busy_speed(groups: list[list[dict]]) -> dict:
+    """Aggregate decode speed of prompts each sent as P copies at once: generated tokens over the summed decode
+    time, a prompt's decode time the longest of its copies' ``predicted_ms`` (its slots are busy until then)."""
+    decode_ms = sum(max(float(r["timings"].get("predicted_ms", 0.0)) for r in g) for g in groups)
+    tokens = sum(int(r["timings"].get("predicted_n", len(r["tokens"]))) for g in groups for r in g)
+    if decode_ms <= 0:
+        raise SpectrainError("llama-server reported no decode time (timings.predicted_ms)")
+    return {"tok_per_s": 1000.0 * tokens / decode_ms, "decode_ms": decode_ms, "tokens": tokens}
+
+
+def draft_sampling(flags_by_mode: dict[str, list[str]], backend: str) -> dict[str, list[str]]:
+    """Each mode's server flags with our draft sampled on the CPU (``backend="off"``: the flag on our draft modes
+    alone; plain and the n-gram modes have no draft model) or as llama.cpp samples it by default (``"on"``)."""
+    if backend not in ("on", "off"):
+        raise SpectrainError(f"--draft_backend_sampling must be on or off, got {backend!r}")
+    if backend == "on":
+        return dict(flags_by_mode)
+    return {m: [*flags, NO_BACKEND_SAMPLING] if mode_of(m) else list(flags) for m, flags in flags_by_mode.items()}
+
+
+def slot_table(par: dict, part: str | None, title: str) -> str:
+    """The parallel phase's table: per slot count and mode, the wall-clock figures (``part`` None) or the busy
+    ones (``part="busy"``)."""
+    rows = []
+    for p, rows_p in par.items():
+        for m, r in rows_p.items():
+            x = r[part] if part else r
+            same = (f"{x['all_copies_identical_to_single_slot_plain']}/{r['prompts']}" if part else
+                    f"{x['identical_to_single_slot_plain']}/{x['prompts']}")
+            rows.append([p, m, f"{x['tok_per_s_median']:.1f}", f"{x['speedup_median']:.3f}",
+                         f"{x['speedup_min']:.3f}-{x['speedup_max']:.3f}",
+                         f"{x['accepted']}/{x['drafted']}" if x["drafted"] else "-", same])
+    return format_table(["slots", "mode", f"{part or 'aggregate'} tok/s", "vs plain", "range", "accepted/drafted",
+                         "copies same as 1-slot plain" if part else "same as 1-slot plain"], rows, title=title)
+
+
 def parallel_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict, common: list[str],
                    prompt_ids: list[list[int]], plain: list[list[int]], eos: set, logs: Path) -> dict:
     """Aggregate tokens/s with P slots and P concurrent clients, per P and mode, interleaved and repeated."""
@@ -203,6 +250,9 @@ def parallel_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict
     outputs = {(p, m): [None] * len(prompt_ids) for p in slots for m in names}
     counts = {(p, m): [] for p in slots for m in names}
     rounds: dict[tuple, list[dict]] = {}
+    busy = {(p, m): [] for p in slots for m in names}
+    busy_rounds: dict[tuple, list[dict]] = {}
+    busy_same: dict[tuple, int] = {}
     flags_of = {p: list(common) for p in slots}
     for p in slots:  # -np P, and P times the context so that every slot keeps the single slot's 2048
         f = flags_of[p]
@@ -226,6 +276,16 @@ def parallel_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict
                 if rep == 0:
                     outputs[key] = [strip_eos(r["tokens"], eos) for r in done]
                     rounds[key] = [rounds_and_tau(r) for r in done]
+            for key in order:  # busy: P copies of each prompt at once, every slot decoding to the end
+                p, m = key
+                groups = []
+                for ids in prompt_ids:
+                    groups.append(servers[key].complete_together([ids] * p, args.max_new_tokens))
+                busy[key].append(busy_speed(groups))
+                if rep == 0:
+                    busy_rounds[key] = [rounds_and_tau(r) for g in groups for r in g]
+                    busy_same[key] = sum(all(strip_eos(r["tokens"], eos) == want for r in g)
+                                         for g, want in zip(groups, plain))
     result = {}
     for p in slots:
         rows = {}
@@ -240,6 +300,17 @@ def parallel_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict
                        "accepted": sum(c["accepted"] for c in acc), "drafted": sum(c["drafted"] for c in acc),
                        "identical_to_single_slot_plain": sum(a == b for a, b in zip(outputs[(p, m)], plain)),
                        "prompts": len(plain), "wall_s": walls[(p, m)]}
+            speeds = [b["tok_per_s"] for b in busy[(p, m)]]
+            ratios = [a["tok_per_s"] / b["tok_per_s"] for a, b in zip(busy[(p, m)], busy[(p, "plain")])]
+            acc = busy_rounds[(p, m)]
+            rows[m]["busy"] = {"tok_per_s": speeds, "tok_per_s_median": statistics.median(speeds),
+                               "speedup": ratios, "speedup_median": statistics.median(ratios),
+                               "speedup_min": min(ratios), "speedup_max": max(ratios), "win": min(ratios) > 1.0,
+                               "accepted": sum(c["accepted"] for c in acc), "drafted": sum(c["drafted"] for c in acc),
+                               "rounds": sum(c["rounds"] for c in acc),
+                               "generated": sum(c["generated"] for c in acc),
+                               "all_copies_identical_to_single_slot_plain": busy_same[(p, m)],
+                               "decode_ms": [b["decode_ms"] for b in busy[(p, m)]]}
         result[str(p)] = rows
     return result
 
@@ -261,6 +332,7 @@ def run(args, command: str = "") -> Path:
     # -lv 4: llama.cpp logs its speculative counters and draft timer at the end of every request
     common = ["-t", str(args.threads), "-tb", str(args.threads), "-c", "2048", "-np", "1", "--seed", "0", "-lv", "4"]
     by_mode = mode_flags(request, draft)
+    by_mode = draft_sampling(by_mode, args.draft_backend_sampling)
     results, tables = {}, []
     for tname, tpath in targets(args, out).items():
         runs, drafting = sequential_phase(args, server, tpath, tname, by_mode, common, prompt_ids, eos,
@@ -269,8 +341,11 @@ def run(args, command: str = "") -> Path:
         summary = summarize(runs, plain)
         for m in summary:
             summary[m].update(round_split(summary[m], drafting.get(m)))
+        widths = {m.k + 1 for m in draft_modes(request, draft.name, draft.block)}
+        slots = [int(x) for x in args.parallel.split(",") if x.strip()] if tname in (
+            args.parallel_targets or tname).split(",") else []
         costs = forward_costs(find_binary("llama-bench", args.llama_cpp), tpath, args.threads,
-                              sorted({1, 2, *(m.k + 1 for m in draft_modes(request, draft.name, draft.block))}))
+                              sorted({1, 2, *widths, *slots, *(p * w for p in slots for w in widths)}))
         results[tname] = {"gguf": str(tpath), "modes": summary, "forward_costs": costs,
                           "round_costs": round_costs(summary, costs, args.p_min), "commands": {
             m: [str(server), "-m", str(tpath), *common, *flags] for m, flags in by_mode.items()},
@@ -294,15 +369,12 @@ def run(args, command: str = "") -> Path:
         if args.parallel and tname in (args.parallel_targets or tname).split(","):
             par = parallel_phase(args, server, tpath, tname, by_mode, common, prompt_ids, plain, eos, out / "logs")
             results[tname]["parallel"] = par
-            tables.append(format_table(
-                ["slots", "mode", "aggregate tok/s", "vs plain", "range", "accepted/drafted", "same as 1-slot plain"],
-                [[p, m, f"{r['tok_per_s_median']:.1f}", f"{r['speedup_median']:.3f}",
-                  f"{r['speedup_min']:.3f}-{r['speedup_max']:.3f}",
-                  f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-",
-                  f"{r['identical_to_single_slot_plain']}/{r['prompts']}"]
-                 for p, rows_p in par.items() for m, r in rows_p.items()],
-                title=f"llama.cpp, target {tname}: P slots, P concurrent clients over {len(prompt_ids)} prompts "
-                      f"(wall clock, prefill included), {args.repeats} repeats"))
+            tables.append(slot_table(par, None, f"llama.cpp, target {tname}: P slots, P concurrent clients over "
+                                                f"{len(prompt_ids)} prompts (wall clock, prefill included), "
+                                                f"{args.repeats} repeats"))
+            tables.append(slot_table(par, "busy", f"llama.cpp, target {tname}: P slots busy (each prompt as P copies "
+                                                  f"in one request; decode time, prefill excluded), {args.repeats} "
+                                                  "repeats"))
     cpu = {**cpu_record(), "threads": args.threads}  # llama.cpp's threads, not torch's
     record = {"command": command, "date": time.strftime("%Y-%m-%d"), "cpu": cpu, "threads": args.threads,
               "llama_cpp": LLAMA_CPP_VERSION, "llama_server_version": binary_version(server),
@@ -310,7 +382,8 @@ def run(args, command: str = "") -> Path:
               "spec_type": draft.spec_type, "draft_gguf": {d: str(path) for d, path in draft.files.items()},
               "prompts": args.prompts,
               "num_prompts": len(prompt_ids), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-              "targets": results, "seconds": round(time.time() - start, 1)}
+              "draft_backend_sampling": args.draft_backend_sampling, "targets": results,
+              "seconds": round(time.time() - start, 1)}
     tables.append(f"CPU: {cpu_line(cpu)}; speedup = pooled tok/s over plain's in the same repeat, median and "
                   "min-max over repeats")
     return finish(record, out / "llama_cpp_speed.json", tables)

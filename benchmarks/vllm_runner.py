@@ -59,7 +59,8 @@ def run_one(job: dict, run: dict) -> dict:
               "accepted_per_pos": per_pos, "load_seconds": round(loaded - start, 1),
               "generate_seconds": round(done - loaded, 2),
               "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-              "draft_config": draft_config(llm) if run.get("speculative_config") else None}
+              "draft_config": draft_config(llm) if run.get("speculative_config") else None,
+              "vllm_version": getattr(sys.modules.get("vllm"), "__version__", None)}
     drafts = counters.get("num_drafts", 0)
     record["mean_acceptance_length"] = 1 + counters.get("num_accepted_tokens", 0) / drafts if drafts else None
     del llm

@@ -35,8 +35,9 @@ def our_tau(verifier, method: str, drafter_dir: Path, prompts: list[list[str]], 
     where its family's evaluator says it was trained with one), cached in ``out/eval.json`` (a rerun with the same
     drafter and settings reuses it).
 
-    Returns ``tau``, ``alpha``, ``identical_to_ar``, ``rounds`` and ``accepted`` (counted as an engine counts them),
-    ``prompt_ids`` (what to hand the engine) and ``ar_tokens`` (our greedy output per prompt)."""
+    Returns ``tau``, ``alpha``, ``identical_to_ar``, ``rounds``, ``accepted`` and ``accepted_per_pos`` (draft
+    position i accepted in how many rounds; counted as an engine counts them), ``prompt_ids`` (what to hand the
+    engine) and ``ar_tokens`` (our greedy output per prompt)."""
     from spectrain.eval.evaluate import EvalSettings, evaluate_drafter, load_drafter
     from spectrain.eval.families import evaluator_of
 
@@ -59,6 +60,7 @@ def our_tau(verifier, method: str, drafter_dir: Path, prompts: list[list[str]], 
     return {"tau": chain["tau"], "alpha": chain["alpha"], "identical_to_ar": chain["identical_to_ar"],
             "rounds": sum(histogram),
             "accepted": sum(i * n for i, n in enumerate(histogram)),
+            "accepted_per_pos": [sum(histogram[i + 1:]) for i in range(k)],
             "prompt_ids": [r["turns"][0]["sequence"][:r["turns"][0]["prompt_tokens"]] for r in ar],
             "ar_tokens": [r["turns"][0]["tokens"] for r in ar]}
 

@@ -5,10 +5,11 @@ An engine can load a drafter and still read it otherwise than we do (vLLM loads 
 and drops Medusa biases without ``medusa_fc_bias``, without a word). Two kinds of drafters guard against that:
 
 * *controls* with known acceptance: each proposes one token at every step only through the part of the file a
-  silent misreading would lose (Medusa's biases, EAGLE-3's d2t, DFlash's mask token embedding), so its accepted
-  count follows from the engine's own greedy output (:func:`predicted_acceptance`) and is compared exactly;
+  silent misreading would lose (Medusa's biases, EAGLE-3's and P-EAGLE's d2t, DFlash's mask token embedding), so
+  its accepted count follows from the engine's own greedy output (:func:`predicted_acceptance`) and is compared
+  exactly;
 * *mistaken exports*: a right export with one field wrong (target layers shifted by one, another mask token, a
-  rolled d2t), which the check must catch.
+  zeroed P-EAGLE ``mask_hidden``, a rolled d2t), which the check must catch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from spectrain.heads.errors import SpectrainError
 from spectrain.heads.io import read_json, write_json
 from spectrain.heads.serving.llama_cpp import read_metadata, write_gguf
 from spectrain.heads.medusa import MedusaHeads
+from spectrain.heads.peagle import PEagleDrafter
 
 
 # -- controls ------------------------------------------------------------------------------------------------------
@@ -78,6 +80,24 @@ def eagle3_control(verifier, token: int, draft_vocab: int = 1024, scale: float |
             drafter.lm_head.weight.zero_()
         else:
             _positive_margin(drafter, scale)
+    return drafter
+
+
+def peagle_control(verifier, token: int, k: int, draft_vocab: int = 1024) -> PEagleDrafter:
+    """A P-EAGLE drafter (one layer, ``k`` depths) that proposes ``token`` at every depth of its one parallel pass
+    through d2t alone, as :func:`eagle3_control` (``scale=None``) does: a zero ``lm_head`` makes every draft logit
+    0, the argmax takes draft id 0, and d2t maps it to ``token``. It checks the layout's map and the engine's
+    counting; its deeper depths are tested only where ``token`` follows itself in the output (a comma does not),
+    so the placeholder depths are checked by a trained drafter's per-position acceptance and the mistaken
+    exports."""
+    counts = torch.zeros(verifier.get_output_embeddings().weight.shape[0], dtype=torch.long)
+    if token + draft_vocab > counts.numel():
+        raise SpectrainError(f"control token {token} too close to the end of the vocabulary")
+    counts[token:token + draft_vocab] = 1  # draft ids are sorted by target id: draft id 0 is `token`
+    drafter = PEagleDrafter.for_verifier(verifier, token_counts=counts, num_layers=1, num_depths=k,
+                                         draft_vocab_size=draft_vocab, verifier_name="control")
+    with torch.no_grad():
+        drafter.lm_head.weight.zero_()
     return drafter
 
 
@@ -146,12 +166,22 @@ def predicted_acceptance(outputs: list[list[int]], token: int, k: int) -> dict:
 
 # -- mistaken exports ----------------------------------------------------------------------------------------------
 def mistaken_export(export: Path, out: Path, mistake: str, verifier_vocab: int) -> Path:
-    """A copy of a block drafter's speculators export with one mistake: ``layers`` writes the 0-based target
-    layers as vLLM's capture ids (no shift of one, the mistake vLLM #40727 is about); ``mask`` another mask token
-    id."""
+    """A copy of a block drafter's or a P-EAGLE drafter's speculators export with one mistake: ``layers`` writes
+    the 0-based target layers as vLLM's capture ids (no shift of one, the mistake vLLM #40727 is about); ``mask``
+    another mask token id (the placeholder slots' token); ``mask_hidden`` P-EAGLE's learned placeholder state
+    zeroed (what an exporter that dropped or renamed it would leave the engine)."""
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(export, out)
+    if mistake == "mask_hidden":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(out / "model.safetensors"))
+        if "mask_hidden" not in tensors:
+            raise SpectrainError(f"{export} has no mask_hidden tensor (not a P-EAGLE export)")
+        tensors["mask_hidden"] = torch.zeros_like(tensors["mask_hidden"])
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
     config = read_json(out / "config.json", "speculators config")
     if mistake == "layers":
         ids = [i - 1 for i in config["aux_hidden_state_layer_ids"]]

@@ -38,8 +38,14 @@ def vllm_verdict(info: dict, r: dict, ours: dict, greedy: list[list[int]], toler
     the record gains). Every row needs vLLM's speculative outputs equal to its ``greedy`` ones; a drafter needs τ
     within ``tolerance`` (``tau_same_count``: both sides as 1 + accepted / rounds, reported beside it); a block
     drafter needs the engine to resolve its own target layers and mask token (``info["expected"]``), a mistaken
-    export (``info["must_differ"]``) needs the engine's resolution to differ from the drafter's, and a control
-    (``info["control_token"]``) its accepted tokens equal to the count predicted from ``greedy``."""
+    export (``info["must_differ"]``) needs the engine's resolution to differ from the drafter's or, where the
+    engine resolves nothing to read (P-EAGLE's placeholder token and state), its accepted tokens at the
+    placeholder depths (positions 1..) to differ from what the engine accepted there with the right export
+    (``info["reference_per_pos"]``; τ alone moves by the few tokens those depths accept), a parallel drafter
+    (``info["parallel"]``) its accepted tokens at every position within ``tolerance`` of ours (at least one token
+    apart allowed: the evidence that the engine drafts the placeholders as we do), and a control
+    (``info["control_token"]``) its accepted tokens equal to the count predicted from ``greedy``. Every row
+    records vLLM's and our accepted tokens per draft position."""
     identical = sum(a == b for a, b in zip(r["token_ids"], greedy))
     tau_vllm = r["mean_acceptance_length"]
     rel = abs(tau_vllm - ours["tau"]) / ours["tau"] if tau_vllm else None
@@ -48,6 +54,10 @@ def vllm_verdict(info: dict, r: dict, ours: dict, greedy: list[list[int]], toler
              "tau_same_count_ours": same_count,
              "relative_difference_same_count": abs(tau_vllm - same_count) / same_count if tau_vllm else None,
              "counters": r["counters"], "accepted_per_pos": r["accepted_per_pos"],
+             "accepted_per_pos_ours": ours.get("accepted_per_pos"),
+             "per_pos_equal": ours.get("accepted_per_pos") == list(r["accepted_per_pos"] or []),
+             "per_pos_within": per_pos_within(list(r["accepted_per_pos"] or []), ours.get("accepted_per_pos"),
+                                              tolerance),
              "generate_seconds": r["generate_seconds"]}
     within = rel is not None and rel <= tolerance
     ok, notes = identical == len(greedy), []
@@ -66,6 +76,22 @@ def vllm_verdict(info: dict, r: dict, ours: dict, greedy: list[list[int]], toler
         elif resolved != info["expected"]:
             ok = False
             notes.append(field_diff(resolved, info["expected"]))
+    elif "must_differ" in info:  # nothing resolved to read: the placeholder depths' acceptance must move
+        reference, found_pos = info.get("reference_per_pos"), list(r["accepted_per_pos"] or [])
+        comparable = bool(reference) and len(found_pos) == len(reference) == k
+        caught = comparable and found_pos[1:] != list(reference[1:])
+        found.update(reference_per_pos=reference, caught=caught)
+        ok = ok and caught
+        if not comparable:
+            notes.append(f"NOT judged: accepted per position {found_pos or 'not reported'} against the right "
+                         f"export's {reference or 'missing run'} (k = {k})")
+        else:
+            notes.append((f"caught: accepted per position {found_pos} vs {reference} with the right export" if caught
+                          else f"NOT caught: accepted per position {found_pos}, as with the right export")
+                         + f"; tau alone {'would catch it' if not within else 'would not'}")
+    if info.get("parallel") and not found["per_pos_within"]:
+        ok = False
+        notes.append(f"accepted per position {r['accepted_per_pos']} vs ours {ours.get('accepted_per_pos')}")
     if "must_differ" not in info:
         ok = ok and within
     if "control_token" in info:
@@ -76,6 +102,14 @@ def vllm_verdict(info: dict, r: dict, ours: dict, greedy: list[list[int]], toler
         notes.insert(0, f"accepted {r['counters'].get('num_accepted_tokens')} vs predicted "
                         f"{predicted['num_accepted_tokens']}")
     return ok, f" ({'; '.join(notes)})" if notes else "", found
+
+
+def per_pos_within(engine: list[int], ours: list[int] | None, tolerance: float) -> bool:
+    """Accepted tokens at every draft position within ``tolerance`` of ours (one token apart always allowed); False
+    when either side did not report them or their lengths differ."""
+    if not ours or len(engine) != len(ours):
+        return False
+    return all(abs(a - b) <= max(1.0, tolerance * b) for a, b in zip(engine, ours))
 
 
 # -- llama.cpp -----------------------------------------------------------------------------------------------------

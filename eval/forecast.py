@@ -57,6 +57,8 @@ class CostProfile:
         round_ms: k -> a whole speculative round at chain length k (what prices the overhead).
         drafting: how ``draft_ms`` was drafted: ``sequential`` (k steps) or ``parallel`` (one forward).
         forward_in_rounds: ``forward_ms[k + 1]`` was timed in the rounds of chain k (our loop), not apart.
+        slot_ms: P -> plain decoding's step with P slots busy (one token for each of P sequences), measured
+            (llama.cpp: ``llama_cpp_speed.py --parallel``'s busy plain rows; 1 = that measurement at one slot).
         cpu, dtype, context: where and at what context depth the costs were measured.
         source: the file read.
         notes: what the reader assumed.
@@ -69,6 +71,7 @@ class CostProfile:
     round_ms: dict[int, float] = field(default_factory=dict)
     drafting: str = "sequential"
     forward_in_rounds: bool = False
+    slot_ms: dict[int, float] = field(default_factory=dict)
     cpu: str = "not recorded"
     dtype: str | None = None
     context: str = "not recorded"
@@ -84,6 +87,10 @@ class CostProfile:
         if not any(n >= 2 for n in self.forward_ms):
             raise SpectrainError(f"profile {self.name} ({self.source or 'given'}) has no forward over 2 or more "
                                  "tokens: a verify pass cannot be priced")
+        bad = {n: v for n, v in self.slot_ms.items() if not (isinstance(n, int) and n >= 1 and v > 0)}
+        if bad:
+            raise SpectrainError(f"profile {self.name} ({self.source or 'given'}): slot_ms needs slot counts >= 1 "
+                                 f"with steps > 0 ms, got {bad}")
 
     def to_dict(self) -> dict:
         """The profile as :data:`PROFILE_FORMAT` JSON (read back by :func:`profile_from_dict`)."""
@@ -92,7 +99,9 @@ class CostProfile:
                 "forward_ms": {str(n): v for n, v in sorted(self.forward_ms.items())},
                 "draft_ms": {str(k): v for k, v in sorted(self.draft_ms.items())}, "drafting": self.drafting,
                 "round_ms": {str(k): v for k, v in sorted(self.round_ms.items())},
-                "forward_in_rounds": self.forward_in_rounds, "source": self.source, "notes": list(self.notes)}
+                "forward_in_rounds": self.forward_in_rounds,
+                "slot_ms": {str(n): v for n, v in sorted(self.slot_ms.items())},
+                "source": self.source, "notes": list(self.notes)}
 
 
 def profile_from_dict(d: dict, source: str = "") -> CostProfile:
@@ -103,7 +112,7 @@ def profile_from_dict(d: dict, source: str = "") -> CostProfile:
         return CostProfile(engine=str(d["engine"]), name=str(d.get("name", d["engine"])), ar_ms=float(d["ar_ms"]),
                            forward_ms=ints("forward_ms"), draft_ms=ints("draft_ms"), round_ms=ints("round_ms"),
                            drafting=d.get("drafting", "sequential"),
-                           forward_in_rounds=bool(d.get("forward_in_rounds", False)),
+                           forward_in_rounds=bool(d.get("forward_in_rounds", False)), slot_ms=ints("slot_ms"),
                            cpu=str(d.get("cpu") or "not recorded"), dtype=d.get("dtype"),
                            context=str(d.get("context") or "not recorded"), source=source or d.get("source", ""),
                            notes=tuple(d.get("notes", ())))
@@ -192,29 +201,60 @@ def overhead_cost(p: CostProfile, k: int, model: str = "line") -> tuple[float, s
 
 def slot_width(p: CostProfile, slots: int, model: str = "line") -> float:
     """How much a forward over one token per slot costs against one token alone: forward(slots) / forward(1)
-    (1 at one slot). It prices plain decoding at ``slots`` (the AR step, ``ar_ms`` × this) and a draft step that
-    drafts for every slot at once (assumed to grow as the target's forward does)."""
+    (1 at one slot). It prices a draft step that drafts for every slot at once (assumed to grow as the target's
+    forward does) and, where plain decoding at ``slots`` was not measured, the AR step and the overhead."""
     return 1.0 if slots == 1 else forward_cost(p, slots, model)[0] / forward_cost(p, 1, model)[0]
+
+
+def slot_clock(p: CostProfile) -> float:
+    """``ar_ms`` / ``slot_ms[1]``: the busy-slot measurement times decoding otherwise than the one-slot profile
+    (llama.cpp: P copies' decode time against pooled rounds, a few % apart), so its steps are read on the
+    profile's clock before they meet its one-slot costs."""
+    return p.ar_ms / p.slot_ms[1]
+
+
+def slot_excess(p: CostProfile, slots: int, model: str = "line") -> float | None:
+    """ms that P busy slots add to a step beyond the target's forward over P tokens: plain decoding's measured
+    step from 1 to P slots (on the profile's clock, :func:`slot_clock`) less ``llama-bench``'s forward from 1 to P
+    tokens (one sequence at depth 0). It is the work of P sequences a one-sequence forward leaves out — attention
+    over P contexts at the served depth, P rows sampled — and a round at P pays it as plain decoding does. None
+    where plain decoding at ``slots`` (or at one slot) was not measured."""
+    if slots not in p.slot_ms or 1 not in p.slot_ms:
+        return None
+    return ((p.slot_ms[slots] - p.slot_ms[1]) * slot_clock(p)
+            - (forward_cost(p, slots, model)[0] - forward_cost(p, 1, model)[0]))
 
 
 def price(p: CostProfile, k: int, drafting: str, model: str = "line", slots: int = 1) -> dict:
     """One round of a chain of ``k`` with ``slots`` sequences decoded together (llama-server's ``-np``; each round
     verifies every slot's k + 1 tokens in one forward and drafts every slot in one batch per step): its parts,
     total, break-even τ and all-accepted ceiling against plain decoding at the same slots (``ar_ms`` is then the
-    AR step over one token per slot), and how each part was priced. At several slots the draft, the overhead (the
-    draft's catch-up over the verified rows, sampling: batched over the slots as the forward is) and the AR step
-    are priced as at one slot × :func:`slot_width`."""
+    AR step over one token per slot), and how each part was priced. At several slots the draft grows as the
+    target's forward (:func:`slot_width`, assumed). Where plain decoding at ``slots`` was measured
+    (``p.slot_ms``), that step (on the profile's clock, :func:`slot_clock`) is the AR step, and the round pays the
+    one-slot overhead plus the P slots' :func:`slot_excess`; where it was not, the AR step and the overhead are one
+    slot's × :func:`slot_width` (assumed; up to 28 % low against llama.cpp's busy slots on Q4_1,
+    docs/results/forecast_check.json)."""
     if slots < 1:
         raise SpectrainError(f"slots must be >= 1, got {slots}")
     width = slot_width(p, slots, model)
     (fwd, fwd_how), (dft, dft_how), (rest, rest_how) = (forward_cost(p, slots * (k + 1), model),
                                                         draft_cost(p, k, drafting), overhead_cost(p, k, model))
-    dft, rest, ar_ms = dft * width, rest * width, p.ar_ms * width
-    total = fwd + dft + rest
+    excess = slot_excess(p, slots, model) if slots > 1 else None
     priced = {"forward": fwd_how, "draft": dft_how, "overhead": rest_how}
     if slots > 1:
         grows = f"× {width:.3f} (forward({slots}) / forward(1): assumed)"
-        priced.update(draft=f"{dft_how}, {grows}", overhead=f"{rest_how}, {grows}", ar=f"ar_ms {grows}")
+        priced["draft"] = f"{dft_how}, {grows}"
+        if excess is None:
+            priced.update(overhead=f"{rest_how}, {grows}", ar=f"ar_ms {grows}")
+        else:
+            priced.update(overhead=f"{rest_how} + {excess:.2f} ms of {slots} busy slots (measured plain decoding)",
+                          ar=f"measured plain decoding at {slots} slots × {slot_clock(p):.3f} (the profile's clock)")
+    if excess is not None and rest + excess < 0:  # the slots' measured work cannot make a round cheaper
+        priced["overhead"] += f" = {rest + excess:.2f}, held at 0"
+    dft, rest, ar_ms = ((dft * width, rest * width, p.ar_ms * width) if excess is None else
+                        (dft * width, max(rest + excess, 0.0), p.slot_ms[slots] * slot_clock(p)))
+    total = fwd + dft + rest
     return {"k": k, "drafting": drafting, "slots": slots, "ar_ms": ar_ms, "forward_ms": fwd, "draft_ms": dft,
             "overhead_ms": rest, "round_ms": total, "break_even_tau": total / ar_ms,
             "ceiling_speedup": (k + 1) * ar_ms / total, "priced": priced}
@@ -276,9 +316,16 @@ def forecast(alpha: list[float | None], p: CostProfile, max_k: int | None = None
                f"{best['expected_speedup']:.3f}x, and it would need tau {best['break_even_tau']:.3f} to break even")
     notes = pricing_notes(p, depth, model)
     if slots > 1:
-        notes.append(f"{slots} slots: each round verifies {slots} × (k + 1) tokens in one forward; the AR step, the "
-                     f"draft and the overhead are priced as one slot's × forward({slots}) / forward(1) (assumed; "
-                     "against llama.cpp's measured slots, docs/results/forecast_check.json, it is off by up to -40 %)")
+        if slot_excess(p, slots, model) is None:
+            notes.append(f"{slots} slots: each round verifies {slots} × (k + 1) tokens in one forward; plain "
+                         f"decoding at {slots} slots was not measured, so the AR step, the draft and the overhead "
+                         f"are priced as one slot's × forward({slots}) / forward(1) (assumed; up to 28 % low against "
+                         "llama.cpp's busy slots on Q4_1, docs/results/forecast_check.json)")
+        else:
+            notes.append(f"{slots} slots: each round verifies {slots} × (k + 1) tokens in one forward; the AR step "
+                         f"is plain decoding measured at {slots} busy slots, and the round pays what those slots add "
+                         "beyond llama-bench's forward there; the draft grows as forward("
+                         f"{slots}) / forward(1) (assumed)")
     return {"rows": rows, "best": best, "pays": pays, "verdict": verdict, "slots": slots, "notes": notes}
 
 
@@ -416,10 +463,13 @@ def _llama_cpp_profiles(record: dict, source: str, drafting: str | None) -> dict
             v = variants.setdefault(target + suffix, {"draft": {}, "round": {}})
             v["draft"][mode.k], v["round"][mode.k] = m["draft_ms_per_round"], m["ms_per_round_pooled"]
         for name, v in variants.items():
+            busy = {int(P): rows["plain"]["busy"] for P, rows in (t.get("parallel") or {}).items()
+                    if "busy" in rows.get("plain", {})}
             out[name] = CostProfile(
                 engine="llama.cpp", name=name, ar_ms=t["modes"]["plain"]["ms_per_round_pooled"],
                 forward_ms={int(n): ms for n, ms in t["forward_costs"]["forward_ms"].items()}, draft_ms=v["draft"],
                 round_ms=v["round"], drafting=drafting or infer_drafting(v["draft"]) or "sequential",
+                slot_ms={P: 1000.0 * P / b["tok_per_s_median"] for P, b in busy.items()},
                 cpu=_cpu(record), dtype=target,
                 context="forwards by llama-bench -p n at depth 0; rounds at the served context", source=source)
     return out
@@ -482,6 +532,42 @@ def _row(file: str, profile: str, setting: str, k: int | None, tau: float | None
             "note": note}
 
 
+def _slot_rows(file: str, target: str, profiles: dict, name: str, slots: int, m: dict, model: str) -> list[dict]:
+    """A llama.cpp mode at ``slots`` slots against its forecast: the busy measurement (every slot decoding to the
+    end, decode time alone) where the file has one; the wall clock of P clients (prefill and the idle slots of the
+    tail in it) judged only where it has not, and reported beside the busy row where it has."""
+    from .llama_cpp_modes import mode_of
+
+    mode, busy = mode_of(name), m.get("busy")
+    out = []
+    for what, r in (("busy", busy), ("wall clock", m)) if busy else (("wall clock", m),):
+        setting = f"{name} at {slots} slots" + (", busy" if what == "busy" else "")
+        measured = (r["speedup_median"], r["speedup_median"], r["speedup_min"], r["speedup_max"])
+        if mode is None or mode.p_min is not None or not r.get("drafted"):
+            out.append({**_row(file, target, setting, None, None, measured, None,
+                               note="not forecast: no fixed chain (n-gram lookup or p-min)"), "slots": slots})
+            continue
+        if busy and what == "wall clock":
+            out.append({**_row(file, target, setting, mode.k, None, measured, None,
+                               note="not forecast: wall clock of P clients, prefill and idle slots in it (the busy "
+                                    "row is the forecast's)"), "slots": slots})
+            continue
+        rounds = r["drafted"] / mode.k  # p-min 0: every round drafts k
+        tau = (r["accepted"] + rounds) / rounds
+        p = profiles[target + mode.name.split(f"-k{mode.k}", 1)[1].replace("-", ":")]
+        priced = price(p, mode.k, p.drafting, model, slots)
+        row = {**_row(file, p.name, setting, mode.k, tau, measured, tau * priced["ar_ms"] / priced["round_ms"],
+                      note="τ as accepted/drafted at these slots; measured: " + (
+                          "decode time, every slot busy" if what == "busy" else
+                          "wall clock, prefill and idle slots in it")), "slots": slots}
+        if p.slot_ms and slots > 1:  # the pricing without plain decoding measured at P, beside it
+            old = price(replace(p, slot_ms={}), mode.k, p.drafting, model, slots)
+            row["assumed_width_speedup"] = tau * old["ar_ms"] / old["round_ms"]
+            row["assumed_width_error"] = row["assumed_width_speedup"] / measured[0] - 1 if measured[0] else None
+        out.append(row)
+    return out
+
+
 def check_rows(record: dict, file: str, model: str = "line") -> list[dict]:
     """Each measured setting of a result file beside its forecast from the α (or τ) and costs the same file
     records: ``forecast_speedup`` priced with every cost the file has (the setting's own round included),
@@ -514,24 +600,9 @@ def check_rows(record: dict, file: str, model: str = "line") -> list[dict]:
                 rows.append({**row, "no_overhead_error": bare / measured[0] - 1})  # the round's overhead left out
             for slots, modes in (t.get("parallel") or {}).items():  # P slots, all busy: τ as measured at P
                 for name, m in modes.items():
-                    mode = mode_of(name)
-                    setting = f"{name} at {slots} slots"
-                    measured = (m["speedup_median"], m["speedup_median"], m["speedup_min"], m["speedup_max"])
                     if name == "plain":
                         continue
-                    if mode is None or mode.p_min is not None or not m.get("drafted"):
-                        rows.append({**_row(file, target, setting, None, None, measured, None,
-                                            note="not forecast: no fixed chain (n-gram lookup or p-min)"),
-                                     "slots": int(slots)})
-                        continue
-                    rounds = m["drafted"] / mode.k  # p-min 0: every round drafts k
-                    tau = (m["accepted"] + rounds) / rounds
-                    p = profiles[target + mode.name.split(f"-k{mode.k}", 1)[1].replace("-", ":")]
-                    priced = price(p, mode.k, p.drafting, model, int(slots))
-                    rows.append({**_row(file, p.name, setting, mode.k, tau, measured,
-                                        tau * priced["ar_ms"] / priced["round_ms"],
-                                        note="τ as accepted/drafted at these slots; measured: wall clock, prefill "
-                                             "and idle slots in it"), "slots": int(slots)})
+                    rows.extend(_slot_rows(file, target, profiles, name, int(slots), m, model))
         return rows
     for group, ar, settings, measured in _groups(record):
         chains = {_fixed_chain(s, r): r for s, r in settings.items() if _fixed_chain(s, r) and r.get("round_ms")}

@@ -114,7 +114,22 @@ class LlamaServer:
         """Greedy completion of ``prompt_ids``: {"tokens": [...], "timings": {...}, "probs": [...]} as llama-server
         returns them; ``n_probs`` > 0 asks for each token's top log-probabilities (llama.cpp leaves them empty
         for accepted draft tokens: it never computes those)."""
-        body = {"prompt": list(prompt_ids), "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
+        return self._post(list(prompt_ids), n_predict, n_probs, timeout)
+
+    def complete_together(self, prompts: list[list[int]], n_predict: int, timeout: float = 900.0) -> list[dict]:
+        """Greedy completions of several prompts posted in *one* request: llama-server queues their tasks at once,
+        so with as many slots they are prefilled in one batch and decode in lockstep (separate clients arrive a
+        loop iteration apart, and one's prefill then lands inside another's decode time). One dict per prompt,
+        in order, as :meth:`complete` returns."""
+        out = self._post([list(p) for p in prompts], n_predict, 0, timeout)
+        out = out if isinstance(out, list) else [out]
+        if len(out) != len(prompts):
+            raise SpectrainError(f"llama-server answered {len(out)} completions for {len(prompts)} prompts; "
+                                 f"log: {self.log}")
+        return out
+
+    def _post(self, prompt, n_predict: int, n_probs: int, timeout: float):
+        body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
                 "cache_prompt": False, "return_tokens": True, "stream": False, "n_probs": n_probs}
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -123,8 +138,9 @@ class LlamaServer:
                 out = json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise SpectrainError(f"llama-server answered {e.code}: {e.read()[:500]!r}; log: {self.log}") from None
-        return {"tokens": list(out.get("tokens") or []), "timings": out.get("timings") or {},
-                "stop_type": out.get("stop_type"), "probs": out.get("completion_probabilities") or []}
+        one = lambda o: {"tokens": list(o.get("tokens") or []), "timings": o.get("timings") or {},  # noqa: E731
+                         "stop_type": o.get("stop_type"), "probs": o.get("completion_probabilities") or []}
+        return [one(o) for o in out] if isinstance(out, list) else one(out)
 
     def _close(self) -> None:
         """Stop the server (terminate, then kill after 30 s) and close its log."""

@@ -283,6 +283,9 @@ def test_engine_check_measures_our_tau_through_the_api(setup, tmp_path):
     prompts = [["tell me of the king"], ["the river ran"]]
     first = our_tau(verifier, "medusa", root / "heads", prompts, tmp_path / "ours", 3, max_new_tokens=8)
     assert first["identical_to_ar"] is True
+    per_pos = first["accepted_per_pos"]  # rounds whose draft position i was accepted, as an engine counts them
+    assert len(per_pos) == 3 and sum(per_pos) == first["accepted"] and per_pos == sorted(per_pos, reverse=True)
+    assert per_pos[0] <= first["rounds"]
     assert first["prompt_ids"][0] == verifier.tokenizer.apply_chat_template(  # the ids vLLM is then given
         [{"role": "user", "content": "tell me of the king"}], add_generation_prompt=True, tokenize=True,
         return_dict=False)

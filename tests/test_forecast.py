@@ -173,7 +173,9 @@ def test_the_committed_check_is_what_the_library_computes():
     assert forecast_rows and all(abs(r["error"]) <= committed["tolerance"] for r in forecast_rows)
     slotted = [r for r in rows if r["error"] is not None and "slots" in r]  # llama.cpp's parallel slots, apart
     assert {r["slots"] for r in slotted} == {1, 2, 4}
-    assert committed["summary"]["parallel_slots"]["settings"] == len(slotted)
+    busy = [r for r in slotted if r["setting"].endswith(", busy")]
+    assert busy and committed["summary"]["parallel_slots_busy"]["settings"] == len(busy)
+    assert committed["summary"]["parallel_slots"]["settings"] == len(slotted) - len(busy)
 
 
 def test_slots_price_every_sequence_in_one_forward():
@@ -235,3 +237,102 @@ def test_the_installed_script_prints_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "spectrain.eval.forecast", str(tmp_path / "nothing.json")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+
+
+def test_measured_plain_decoding_at_p_slots_prices_the_round():
+    """With plain decoding measured at P busy slots (slot_ms), that is the AR step at P, and the round pays the
+    one-slot overhead plus what P slots add beyond the one-sequence forward (slot_excess); the draft still grows
+    as forward(P) / forward(1). The profile JSON carries slot_ms."""
+    from spectrain.eval.forecast import profile_from_dict, slot_excess
+
+    p = toy(round_ms={1: 16.0}, slot_ms={1: 12.5, 2: 17.5})  # forward(1) 10, forward(2) 12; ar_ms 10
+    clock = 10.0 / 12.5  # the busy measurement read on the profile's clock
+    assert slot_excess(p, 2) == pytest.approx((17.5 - 12.5) * clock - (12.0 - 10.0))
+    assert slot_excess(p, 4) is None and slot_excess(toy(slot_ms={2: 14.0}), 2) is None
+    two = price(p, 1, "sequential", slots=2)
+    width = 12.0 / 10.0
+    assert two["ar_ms"] == pytest.approx(17.5 * clock) and two["forward_ms"] == pytest.approx(16.0)
+    assert two["draft_ms"] == pytest.approx(1.0 * width) and two["overhead_ms"] == pytest.approx(3.0 + 2.0)
+    assert two["priced"]["ar"].startswith("measured plain decoding at 2 slots")
+    assert price(p, 1, "sequential", slots=4)["priced"]["ar"].startswith("ar_ms ×")  # not measured at 4: assumed
+    assert any("measured at 2 busy slots" in n for n in forecast([0.5], p, slots=2)["notes"])
+    assert profile_from_dict(p.to_dict()).slot_ms == {1: 12.5, 2: 17.5}
+    with pytest.raises(SpectrainError, match="slot_ms needs slot counts >= 1 with steps > 0 ms"):
+        toy(slot_ms={1: 0.0, 2: 14.0})
+    cheap = toy(round_ms={1: 16.0}, slot_ms={1: 12.5, 2: 12.5})  # plain decoding no slower at 2 than at 1
+    held = price(cheap, 1, "sequential", slots=2)  # the excess (-2 ms) would take the overhead (3 ms) to 1: kept
+    assert held["overhead_ms"] == pytest.approx(1.0) and "held at 0" not in held["priced"]["overhead"]
+    flat = toy(round_ms={1: 12.5}, slot_ms={1: 12.5, 2: 12.5})  # overhead -0.5 measured, -2.5 with the excess
+    low = price(flat, 1, "sequential", slots=2)
+    assert low["overhead_ms"] == 0.0 and low["priced"]["overhead"].endswith("held at 0")
+
+
+def test_a_busy_file_gives_its_profiles_plain_decoding_at_each_slot_count():
+    for name in ("llama_cpp_slots_busy_smollm2", "llama_cpp_slots_busy_f32_smollm2"):
+        record = load(name)
+        target = next(iter(record["targets"]))
+        busy = {int(P): rows["plain"]["busy"]["tok_per_s_median"]
+                for P, rows in record["targets"][target]["parallel"].items()}
+        for profile in profiles_of(record, name).values():
+            assert profile.slot_ms == {P: pytest.approx(1000.0 * P / v) for P, v in busy.items()}
+    assert profiles_of(load("llama_cpp_rounds_smollm2"), "rounds")["q4_1"].slot_ms == {}  # no busy rows there
+
+
+def test_busy_slots_are_what_the_slot_forecast_is_judged_against():
+    """A slot measurement with a busy part (every slot decoding to the end): the busy row is forecast and judged,
+    the wall-clock row beside it is reported, not forecast; a file without a busy part judges the wall clock."""
+    from spectrain.eval.forecast import _slot_rows
+
+    p = toy(round_ms={1: 16.0}, name="t")
+    wall = {"speedup_median": 0.6, "speedup_min": 0.5, "speedup_max": 0.7, "accepted": 30, "drafted": 100}
+    busy = {**wall, "speedup_median": 0.9, "speedup_min": 0.85, "speedup_max": 0.95, "accepted": 50}
+    both = _slot_rows("f", "t", {"t": p}, "eagle3-k1", 2, {**wall, "busy": busy}, "line")
+    assert [r["setting"] for r in both] == ["eagle3-k1 at 2 slots, busy", "eagle3-k1 at 2 slots"]
+    judged, shown = both
+    priced = price(p, 1, "sequential", slots=2)
+    assert judged["tau"] == pytest.approx(1.5) and judged["forecast_speedup"] == pytest.approx(
+        1.5 * priced["ar_ms"] / priced["round_ms"])
+    assert judged["error"] == pytest.approx(judged["forecast_speedup"] / 0.9 - 1) and judged["slots"] == 2
+    assert shown["error"] is None and "busy row" in shown["note"]
+    assert "assumed_width_speedup" not in judged  # no plain decoding measured at P: nothing to set beside it
+    measured = _slot_rows("f", "t", {"t": replace(p, slot_ms={1: 10.5, 2: 14.0})}, "eagle3-k1", 2,
+                          {**wall, "busy": busy}, "line")[0]
+    assert measured["assumed_width_speedup"] == pytest.approx(judged["forecast_speedup"])  # the older pricing
+    assert measured["forecast_speedup"] != pytest.approx(judged["forecast_speedup"])
+    (old,) = _slot_rows("f", "t", {"t": p}, "eagle3-k1", 2, wall, "line")
+    assert old["tau"] == pytest.approx(1.3) and old["error"] == pytest.approx(old["forecast_speedup"] / 0.6 - 1)
+
+
+def test_draft_sampling_flag_and_slot_table():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llama_cpp_speed", ROOT / "benchmarks/llama_cpp_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    flags = {"plain": [], "eagle3-k1": ["-md", "d.gguf"], "ngram-map-k": ["--spec-type", "ngram-map-k"]}
+    off = bench.draft_sampling(flags, "off")
+    assert off == {"plain": [], "eagle3-k1": ["-md", "d.gguf", "--no-spec-draft-backend-sampling"],
+                   "ngram-map-k": ["--spec-type", "ngram-map-k"]}  # our draft modes only
+    assert bench.draft_sampling(flags, "on") == flags and flags["eagle3-k1"] == ["-md", "d.gguf"]
+    with pytest.raises(SpectrainError, match="on or off"):
+        bench.draft_sampling(flags, "maybe")
+    par = load("llama_cpp_slots_busy_smollm2")["targets"]["q4_1"]["parallel"]
+    busy = bench.slot_table(par, "busy", "t").splitlines()
+    assert busy[1].split()[:4] == ["slots", "mode", "busy", "tok/s"]
+    assert busy[4].split()[:3] == ["1", "eagle3-k1", "82.5"] and busy[4].split()[-2:] == ["210/548", "6/6"]
+    wall = bench.slot_table(par, None, "t").splitlines()
+    assert wall[1].split()[2] == "aggregate" and wall[4].split()[:3] == ["1", "eagle3-k1", "78.6"]
+
+
+def test_busy_speed_takes_each_prompts_longest_copy():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llama_cpp_speed", ROOT / "benchmarks/llama_cpp_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    copy = lambda n, ms: {"tokens": [0] * n, "timings": {"predicted_n": n, "predicted_ms": ms}}  # noqa: E731
+    speed = bench.busy_speed([[copy(100, 900.0), copy(100, 1000.0)], [copy(50, 500.0), copy(50, 500.0)]])
+    assert speed["decode_ms"] == pytest.approx(1500.0) and speed["tokens"] == 300
+    assert speed["tok_per_s"] == pytest.approx(200.0)
+    with pytest.raises(SpectrainError, match="no decode time"):
+        bench.busy_speed([[{"tokens": [1], "timings": {}}]])

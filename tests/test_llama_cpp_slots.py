@@ -140,3 +140,46 @@ def test_f32_target_is_written_once_and_smollm2_goes_through_bf16(tmp_path, monk
     (tmp_path / "other").mkdir()
     f32_target("my/model", tmp_path / "s.gguf", tmp_path / "other")  # another verifier: its own weights as they are
     assert calls[-1] == ("float32", None)
+
+
+def test_complete_together_posts_every_prompt_in_one_request(tmp_path):
+    """LlamaServer.complete_together sends the prompts as one request (llama-server queues their tasks at once) and
+    returns one completion per prompt, in order; a reply with another count is refused naming it."""
+    import json
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from spectrain.eval.llama_cpp_server import LlamaServer
+
+    bodies, drop = [], []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+            out = [{"tokens": [p[-1] + 1] * body["n_predict"], "timings": {"predicted_ms": 10.0 * (i + 1)}}
+                   for i, p in enumerate(prompts)][:len(prompts) - len(drop)]
+            data = json.dumps(out if isinstance(body["prompt"][0], list) else out[0]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = LlamaServer(Path("llama-server"), Path("t.gguf"), [], tmp_path / "log")
+        server.port = httpd.server_address[1]
+        got = server.complete_together([[1, 2], [5, 6], [1, 2]], 3)
+        assert len(bodies) == 1 and bodies[0]["prompt"] == [[1, 2], [5, 6], [1, 2]]
+        assert [g["tokens"] for g in got] == [[3, 3, 3], [7, 7, 7], [3, 3, 3]]
+        assert [g["timings"]["predicted_ms"] for g in got] == [10.0, 20.0, 30.0]
+        assert server.complete([4], 2)["tokens"] == [5, 5]  # one prompt: one object, as before
+        drop.append(1)
+        with pytest.raises(SpectrainError, match="2 completions for 3 prompts"):
+            server.complete_together([[1], [2], [3]], 1)
+    finally:
+        httpd.shutdown()

@@ -405,3 +405,72 @@ def test_reporting_another_depths_p_is_detected(soft):
     drafter = WrongDepthP(drafter_for(soft, draft_vocab_size=240), soft, 2)
     drafter._verifier, drafter.noise = soft, 0.5
     assert min(p_values(soft, drafter)) < 1e-4  # (the lossless drafter: > 1e-3; seeded draws, 2.4e-5 here)
+
+
+def test_engine_check_control_and_mistaken_exports(verifier, tmp_path):
+    """The vLLM check's P-EAGLE control drafts its token at every depth of the parallel pass through d2t alone,
+    read back from its speculators export (the layout vLLM gets): with another d2t it drafts another token. The two
+    mistaken exports change only the placeholder token or the placeholder state, and move the placeholder depths'
+    logits, not the first depth's."""
+    from spectrain.eval.engine_controls import mistaken_export, peagle_control
+
+    token = 50
+    control = peagle_control(verifier, token, 3, draft_vocab=100)
+    back = import_drafter(export_drafter(control, "speculators-peagle", tmp_path / "control", verifier_name="v"),
+                          verifier_model=verifier).eval()
+    logits = _logits(back, verifier, k=3)
+    assert back.draft_to_target(logits.argmax(-1)).tolist() == [token] * 3
+    with torch.no_grad():
+        back.d2t[0] += 1  # draft id 0 now maps to the next target id
+    assert back.draft_to_target(_logits(back, verifier, k=3).argmax(-1)).tolist() != [token] * 3
+
+    drafter = drafter_for(verifier, seed=4, num_layers=1, num_depths=3)
+    export = export_drafter(drafter, "speculators-peagle", tmp_path / "right", verifier_name="v")
+    right = _logits(import_drafter(export, verifier_model=verifier).eval(), verifier, k=3)
+    base = json.loads((export / "config.json").read_text())
+    for mistake in ("mask", "mask_hidden"):
+        wrong_dir = mistaken_export(export, tmp_path / mistake, mistake, 200)
+        config = json.loads((wrong_dir / "config.json").read_text())
+        assert {k for k in base if base[k] != config[k]} == ({"mask_token_id"} if mistake == "mask" else set())
+        tensors, good = load_file(str(wrong_dir / "model.safetensors")), load_file(str(export / "model.safetensors"))
+        assert {k for k in good if not torch.equal(good[k], tensors[k])} == (
+            {"mask_hidden"} if mistake == "mask_hidden" else set())
+        config_ok = {**config, "spectrain": {**config["spectrain"], "mask_token_id": config["mask_token_id"]}}
+        (wrong_dir / "config.json").write_text(json.dumps(config_ok))  # our record agrees, so ours imports it
+        wrong = _logits(import_drafter(wrong_dir, verifier_model=verifier).eval(), verifier, k=3)
+        torch.testing.assert_close(wrong[0], right[0], atol=0, rtol=0)  # depth 0 reads no placeholder
+        assert not torch.allclose(wrong[1:], right[1:])
+
+
+def test_engine_check_verdict_on_placeholder_depths():
+    """A P-EAGLE mistaken export has nothing the engine resolves to read: it is caught only when the engine's
+    accepted tokens at the placeholder depths (positions 1..) differ from what it accepted with the right export;
+    per-position acceptance is recorded beside ours on every row."""
+    from spectrain.eval.engine_verdicts import vllm_verdict as judge
+
+    greedy = [[5, 7, 7, 9]]
+    ours = {"tau": 1.4, "accepted": 40, "rounds": 100, "accepted_per_pos": [35, 5, 0]}
+
+    def run(per_pos, outputs=greedy):
+        return {"token_ids": outputs, "mean_acceptance_length": 1 + sum(per_pos) / 100,
+                "counters": {"num_accepted_tokens": sum(per_pos), "num_drafts": 100},
+                "accepted_per_pos": per_pos, "generate_seconds": 1.0}
+
+    ok, _, found = judge({}, run([35, 5, 0]), ours, greedy, 0.1, 7, 3)
+    assert ok and found["per_pos_equal"] and found["accepted_per_pos_ours"] == [35, 5, 0]
+    assert not judge({}, run([35, 4, 1]), ours, greedy, 0.1, 7, 3)[2]["per_pos_equal"]
+    parallel = {"parallel": True}  # a P-EAGLE drafter: every position within the tolerance (one token allowed)
+    assert judge(parallel, run([36, 4, 1]), ours, greedy, 0.1, 7, 3)[0]
+    ok, note, _ = judge(parallel, run([38, 2, 0]), ours, greedy, 0.1, 7, 3)  # τ inside the band, depth 1 not
+    assert not ok and "accepted per position [38, 2, 0] vs ours [35, 5, 0]" in note
+    assert not judge(parallel, run([35, 5]), ours, greedy, 0.1, 7, 3)[0]  # positions missing
+    wrong = {"must_differ": "mask", "of": "peagle", "reference_per_pos": [35, 5, 0]}
+    ok, note, found = judge(wrong, run([35, 1, 0]), ours, greedy, 0.1, 7, 3)
+    assert ok and found["caught"] and "caught" in note and "would not" in note  # τ moved by 4 %: inside the band
+    ok, note, _ = judge(wrong, run([35, 5, 0]), ours, greedy, 0.1, 7, 3)
+    assert not ok and "NOT caught" in note
+    ok, note, _ = judge({**wrong, "reference_per_pos": None}, run([35, 1, 0]), ours, greedy, 0.1, 7, 3)
+    assert not ok and "NOT judged" in note and "missing run" in note  # the right export's run failed
+    ok, note, _ = judge(wrong, run([]), ours, greedy, 0.1, 7, 3)  # the engine reported no positions
+    assert not ok and "NOT judged" in note
+    assert not judge(wrong, run([35, 1, 0], outputs=[[5, 7, 7, 8]]), ours, greedy, 0.1, 7, 3)[0]  # outputs differ
