@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -61,12 +60,11 @@ from pathlib import Path
 from spectrain.eval.decode_dtype import cpu_line, cpu_record
 from spectrain.eval.engine_compare import f32_target, first_turns, strip_eos
 from spectrain.eval.llama_cpp_modes import (CROSS_REQUEST_STATE, NGRAM_MODES, ModeRequest, draft_files, draft_modes,
-                                            mode_flags, mode_of)
+                                            draft_sampling, mode_flags, mode_of)
 from spectrain.eval.llama_cpp_server import (LLAMA_CPP_VERSION, LlamaServer, binary_version, draft_time,
                                              find_binary, rounds_and_tau)
-from spectrain.eval.llama_cpp_slots import NO_BACKEND_SAMPLING
-from spectrain.eval.llama_cpp_timing import (forward_costs, resummarize, round_cost_table, round_costs, round_split,
-                                             summarize)
+from spectrain.eval.llama_cpp_timing import (busy_speed, forward_costs, resummarize, round_cost_table, round_costs,
+                                             round_split, slot_speeds, slot_table, summarize)
 from spectrain.heads.errors import SpectrainError, run_command
 from spectrain.heads.serving.cli import target_gguf_for
 from spectrain.heads.report import finish, format_table
@@ -197,42 +195,6 @@ def sequential_phase(args, server: Path, tpath: Path, tname: str, mode_flags: di
     return runs, drafting
 
 
-def busy_speed(groups: list[list[dict]]) -> dict:
-    """Aggregate decode speed of prompts each sent as P copies at once: generated tokens over the summed decode
-    time, a prompt's decode time the longest of its copies' ``predicted_ms`` (its slots are busy until then)."""
-    decode_ms = sum(max(float(r["timings"].get("predicted_ms", 0.0)) for r in g) for g in groups)
-    tokens = sum(int(r["timings"].get("predicted_n", len(r["tokens"]))) for g in groups for r in g)
-    if decode_ms <= 0:
-        raise SpectrainError("llama-server reported no decode time (timings.predicted_ms)")
-    return {"tok_per_s": 1000.0 * tokens / decode_ms, "decode_ms": decode_ms, "tokens": tokens}
-
-
-def draft_sampling(flags_by_mode: dict[str, list[str]], backend: str) -> dict[str, list[str]]:
-    """Each mode's server flags with our draft sampled on the CPU (``backend="off"``: the flag on our draft modes
-    alone; plain and the n-gram modes have no draft model) or as llama.cpp samples it by default (``"on"``)."""
-    if backend not in ("on", "off"):
-        raise SpectrainError(f"--draft_backend_sampling must be on or off, got {backend!r}")
-    if backend == "on":
-        return dict(flags_by_mode)
-    return {m: [*flags, NO_BACKEND_SAMPLING] if mode_of(m) else list(flags) for m, flags in flags_by_mode.items()}
-
-
-def slot_table(par: dict, part: str | None, title: str) -> str:
-    """The parallel phase's table: per slot count and mode, the wall-clock figures (``part`` None) or the busy
-    ones (``part="busy"``)."""
-    rows = []
-    for p, rows_p in par.items():
-        for m, r in rows_p.items():
-            x = r[part] if part else r
-            same = (f"{x['all_copies_identical_to_single_slot_plain']}/{r['prompts']}" if part else
-                    f"{x['identical_to_single_slot_plain']}/{x['prompts']}")
-            rows.append([p, m, f"{x['tok_per_s_median']:.1f}", f"{x['speedup_median']:.3f}",
-                         f"{x['speedup_min']:.3f}-{x['speedup_max']:.3f}",
-                         f"{x['accepted']}/{x['drafted']}" if x["drafted"] else "-", same])
-    return format_table(["slots", "mode", f"{part or 'aggregate'} tok/s", "vs plain", "range", "accepted/drafted",
-                         "copies same as 1-slot plain" if part else "same as 1-slot plain"], rows, title=title)
-
-
 def parallel_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict, common: list[str],
                    prompt_ids: list[list[int]], plain: list[list[int]], eos: set, logs: Path) -> dict:
     """Aggregate tokens/s with P slots and P concurrent clients, per P and mode, interleaved and repeated."""
@@ -292,21 +254,12 @@ def parallel_phase(args, server: Path, tpath: Path, tname: str, mode_flags: dict
         for m in names:
             speeds = [n / w for n, w in zip(counts[(p, m)], walls[(p, m)])]
             base = [n / w for n, w in zip(counts[(p, "plain")], walls[(p, "plain")])]
-            ratios = [a / b for a, b in zip(speeds, base)]
-            acc = rounds[(p, m)]
-            rows[m] = {"tok_per_s": speeds, "tok_per_s_median": statistics.median(speeds),
-                       "speedup": ratios, "speedup_median": statistics.median(ratios), "speedup_min": min(ratios),
-                       "speedup_max": max(ratios), "win": min(ratios) > 1.0,
-                       "accepted": sum(c["accepted"] for c in acc), "drafted": sum(c["drafted"] for c in acc),
+            rows[m] = {**slot_speeds(speeds, base, rounds[(p, m)]),
                        "identical_to_single_slot_plain": sum(a == b for a, b in zip(outputs[(p, m)], plain)),
                        "prompts": len(plain), "wall_s": walls[(p, m)]}
-            speeds = [b["tok_per_s"] for b in busy[(p, m)]]
-            ratios = [a["tok_per_s"] / b["tok_per_s"] for a, b in zip(busy[(p, m)], busy[(p, "plain")])]
             acc = busy_rounds[(p, m)]
-            rows[m]["busy"] = {"tok_per_s": speeds, "tok_per_s_median": statistics.median(speeds),
-                               "speedup": ratios, "speedup_median": statistics.median(ratios),
-                               "speedup_min": min(ratios), "speedup_max": max(ratios), "win": min(ratios) > 1.0,
-                               "accepted": sum(c["accepted"] for c in acc), "drafted": sum(c["drafted"] for c in acc),
+            rows[m]["busy"] = {**slot_speeds([b["tok_per_s"] for b in busy[(p, m)]],
+                                             [b["tok_per_s"] for b in busy[(p, "plain")]], acc),
                                "rounds": sum(c["rounds"] for c in acc),
                                "generated": sum(c["generated"] for c in acc),
                                "all_copies_identical_to_single_slot_plain": busy_same[(p, m)],

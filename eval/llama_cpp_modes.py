@@ -15,6 +15,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from spectrain.eval.llama_cpp_slots import NO_BACKEND_SAMPLING
 from spectrain.heads.errors import SpectrainError
 from spectrain.heads.serving.cli import target_gguf_for
 from spectrain.heads.serving.formats import import_drafter, method_of
@@ -158,6 +159,16 @@ def mode_flags(request: ModeRequest, draft: Draft) -> dict[str, list[str]]:
             raise SpectrainError(f"--ngram: unknown mode {name!r}; one of {', '.join(NGRAM_MODES)}")
         out[name] = ["--spec-type", name]
     return out
+
+
+def draft_sampling(flags_by_mode: dict[str, list[str]], backend: str) -> dict[str, list[str]]:
+    """Each mode's server flags with our draft sampled on the CPU (``backend="off"``: the flag on our draft modes
+    alone; plain and the n-gram modes have no draft model) or as llama.cpp samples it by default (``"on"``)."""
+    if backend not in ("on", "off"):
+        raise SpectrainError(f"--draft_backend_sampling must be on or off, got {backend!r}")
+    if backend == "on":
+        return dict(flags_by_mode)
+    return {m: [*flags, NO_BACKEND_SAMPLING] if mode_of(m) else list(flags) for m, flags in flags_by_mode.items()}
 
 
 def spec_type_of_gguf(path: str, spec_type: str | None) -> str:

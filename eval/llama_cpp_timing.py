@@ -134,3 +134,40 @@ def resummarize(path: str) -> Path:
     except KeyError as err:
         raise SpectrainError(f"{path} lacks {err}: not a llama_cpp_speed.py result with forward costs") from None
     return finish(record, path, tables)
+
+
+def busy_speed(groups: list[list[dict]]) -> dict:
+    """Aggregate decode speed of prompts each sent as P copies at once: generated tokens over the summed decode
+    time, a prompt's decode time the longest of its copies' ``predicted_ms`` (its slots are busy until then)."""
+    decode_ms = sum(max(float(r["timings"].get("predicted_ms", 0.0)) for r in g) for g in groups)
+    tokens = sum(int(r["timings"].get("predicted_n", len(r["tokens"]))) for g in groups for r in g)
+    if decode_ms <= 0:
+        raise SpectrainError("llama-server reported no decode time (timings.predicted_ms)")
+    return {"tok_per_s": 1000.0 * tokens / decode_ms, "decode_ms": decode_ms, "tokens": tokens}
+
+
+def slot_table(par: dict, part: str | None, title: str) -> str:
+    """The parallel phase's table: per slot count and mode, the wall-clock figures (``part`` None) or the busy
+    ones (``part="busy"``)."""
+    rows = []
+    for p, rows_p in par.items():
+        for m, r in rows_p.items():
+            x = r[part] if part else r
+            same = (f"{x['all_copies_identical_to_single_slot_plain']}/{r['prompts']}" if part else
+                    f"{x['identical_to_single_slot_plain']}/{x['prompts']}")
+            rows.append([p, m, f"{x['tok_per_s_median']:.1f}", f"{x['speedup_median']:.3f}",
+                         f"{x['speedup_min']:.3f}-{x['speedup_max']:.3f}",
+                         f"{x['accepted']}/{x['drafted']}" if x["drafted"] else "-", same])
+    return format_table(["slots", "mode", f"{part or 'aggregate'} tok/s", "vs plain", "range", "accepted/drafted",
+                         "copies same as 1-slot plain" if part else "same as 1-slot plain"], rows, title=title)
+
+
+def slot_speeds(speeds: list[float], plain: list[float], counts: list[dict]) -> dict:
+    """One mode's figures at P slots: tokens/s per repeat and their median, its ratio to plain decoding's in the
+    same repeat (median, min, max, a win only when every repeat is above 1), and the drafts accepted / drafted
+    over ``counts`` (:func:`~spectrain.eval.llama_cpp_server.rounds_and_tau` per completion)."""
+    ratios = [a / b for a, b in zip(speeds, plain)]
+    return {"tok_per_s": speeds, "tok_per_s_median": statistics.median(speeds), "speedup": ratios,
+            "speedup_median": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
+            "win": min(ratios) > 1.0, "accepted": sum(c["accepted"] for c in counts),
+            "drafted": sum(c["drafted"] for c in counts)}

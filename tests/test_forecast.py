@@ -304,35 +304,33 @@ def test_busy_slots_are_what_the_slot_forecast_is_judged_against():
 
 
 def test_draft_sampling_flag_and_slot_table():
-    import importlib.util
+    from spectrain.eval import llama_cpp_modes, llama_cpp_timing
 
-    spec = importlib.util.spec_from_file_location("llama_cpp_speed", ROOT / "benchmarks/llama_cpp_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     flags = {"plain": [], "eagle3-k1": ["-md", "d.gguf"], "ngram-map-k": ["--spec-type", "ngram-map-k"]}
-    off = bench.draft_sampling(flags, "off")
+    off = llama_cpp_modes.draft_sampling(flags, "off")
     assert off == {"plain": [], "eagle3-k1": ["-md", "d.gguf", "--no-spec-draft-backend-sampling"],
                    "ngram-map-k": ["--spec-type", "ngram-map-k"]}  # our draft modes only
-    assert bench.draft_sampling(flags, "on") == flags and flags["eagle3-k1"] == ["-md", "d.gguf"]
+    assert llama_cpp_modes.draft_sampling(flags, "on") == flags and flags["eagle3-k1"] == ["-md", "d.gguf"]
     with pytest.raises(SpectrainError, match="on or off"):
-        bench.draft_sampling(flags, "maybe")
+        llama_cpp_modes.draft_sampling(flags, "maybe")
     par = load("llama_cpp_slots_busy_smollm2")["targets"]["q4_1"]["parallel"]
-    busy = bench.slot_table(par, "busy", "t").splitlines()
+    busy = llama_cpp_timing.slot_table(par, "busy", "t").splitlines()
     assert busy[1].split()[:4] == ["slots", "mode", "busy", "tok/s"]
     assert busy[4].split()[:3] == ["1", "eagle3-k1", "82.5"] and busy[4].split()[-2:] == ["210/548", "6/6"]
-    wall = bench.slot_table(par, None, "t").splitlines()
+    wall = llama_cpp_timing.slot_table(par, None, "t").splitlines()
+    row = llama_cpp_timing.slot_speeds([90.0, 110.0, 100.0], [100.0, 100.0, 100.0],
+                                       [{"accepted": 3, "drafted": 8}, {"accepted": 1, "drafted": 4}])
+    assert (row["speedup_median"], row["speedup_min"], row["win"], row["accepted"], row["drafted"]) == (
+        pytest.approx(1.0), pytest.approx(0.9), False, 4, 12)
     assert wall[1].split()[2] == "aggregate" and wall[4].split()[:3] == ["1", "eagle3-k1", "78.6"]
 
 
 def test_busy_speed_takes_each_prompts_longest_copy():
-    import importlib.util
+    from spectrain.eval.llama_cpp_timing import busy_speed
 
-    spec = importlib.util.spec_from_file_location("llama_cpp_speed", ROOT / "benchmarks/llama_cpp_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     copy = lambda n, ms: {"tokens": [0] * n, "timings": {"predicted_n": n, "predicted_ms": ms}}  # noqa: E731
-    speed = bench.busy_speed([[copy(100, 900.0), copy(100, 1000.0)], [copy(50, 500.0), copy(50, 500.0)]])
+    speed = busy_speed([[copy(100, 900.0), copy(100, 1000.0)], [copy(50, 500.0), copy(50, 500.0)]])
     assert speed["decode_ms"] == pytest.approx(1500.0) and speed["tokens"] == 300
     assert speed["tok_per_s"] == pytest.approx(200.0)
     with pytest.raises(SpectrainError, match="no decode time"):
-        bench.busy_speed([[{"tokens": [1], "timings": {}}]])
+        busy_speed([[{"tokens": [1], "timings": {}}]])
